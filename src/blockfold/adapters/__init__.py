@@ -1,0 +1,46 @@
+"""Registry of architecture adapters, keyed by ``config.model_type``."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from blockfold.adapters.base import DecoderAdapter
+from blockfold.errors import BlockfoldError
+
+LLAMA_LIKE = DecoderAdapter(name="llama-like (pre-norm)", model_types=("llama", "mistral"))
+
+QWEN = DecoderAdapter(
+    name="qwen (pre-norm, sliding-window layer count)",
+    model_types=("qwen2", "qwen3"),
+    layer_count_config_fields=("max_window_layers",),
+)
+
+GEMMA_SANDWICH = DecoderAdapter(
+    name="gemma (sandwich norms)",
+    model_types=("gemma2", "gemma3_text"),
+    post_attention_norm="post_attention_layernorm",
+    post_mlp_norm="post_feedforward_layernorm",
+    norm_weight_offset=1.0,
+)
+
+ADAPTERS: dict[str, DecoderAdapter] = {
+    model_type: adapter for adapter in (LLAMA_LIKE, QWEN, GEMMA_SANDWICH) for model_type in adapter.model_types
+}
+
+
+def supported_model_types() -> list[str]:
+    return sorted(ADAPTERS)
+
+
+def get_adapter(model: nn.Module) -> DecoderAdapter:
+    """The adapter for ``model``, or a clear error naming the supported architectures."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in ADAPTERS:
+        raise BlockfoldError(
+            f"unsupported architecture {model_type!r}: blockfold supports "
+            f"{', '.join(supported_model_types())}; add an adapter in blockfold/adapters/ for others"
+        )
+    return ADAPTERS[model_type]
+
+
+__all__ = ["ADAPTERS", "DecoderAdapter", "get_adapter", "supported_model_types"]

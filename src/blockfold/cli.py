@@ -1,0 +1,203 @@
+"""Command line: thin parsing into a recipe, then the Python API."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+
+from blockfold.errors import BlockfoldError
+
+DATA_DIR = Path(os.environ.get("BLOCKFOLD_DATA", "../shared/data"))
+DEFAULT_PPL_TEXT = DATA_DIR / "wikitext2_test.txt"
+
+# CLI flag → dotted recipe field; None values are left to the recipe file / defaults.
+RECIPE_FLAGS = {
+    "method": "method", "blocks": "blocks", "ratio": "ratio", "estimator": "estimator",
+    "ridge_alpha": "ridge_alpha", "criterion": "criterion",
+    "calib": "calibration.source", "num_seqs": "calibration.num_sequences",
+    "seq_len": "calibration.sequence_length", "calib_docs": "calibration.max_documents",
+    "text_field": "calibration.text_field", "batch_size": "calibration.batch_size",
+    "padding_side": "calibration.padding_side", "seed": "calibration.seed",
+    "cosine_tokens": "cosine.max_tokens", "cosine_steps": "cosine.steps",
+}
+
+
+def _add_compress(sub) -> None:
+    p = sub.add_parser("compress", help="compress a model and save a standard checkpoint")
+    p.add_argument("--model", required=True, help="built-in name (smollm2-135m, gemma3-270m), HF folder, .gguf or hub id")
+    p.add_argument("--recipe", help="YAML recipe; flags given here override it")
+    p.add_argument("--out", required=True, help="output folder (refused if it exists, unless --overwrite)")
+    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--method")
+    p.add_argument("--blocks", type=int, help="number of blocks to remove")
+    p.add_argument("--ratio", type=float, help="share of blocks to remove, instead of --blocks")
+    p.add_argument("--estimator", choices=["lstsq", "cosine"])
+    p.add_argument("--ridge-alpha", type=float)
+    p.add_argument("--criterion", choices=["angular_last", "angular_all"])
+    p.add_argument("--calib", help="calibration .txt/.jsonl/.json or dataset name; omit for self-generated text")
+    p.add_argument("--num-seqs", type=int, help="calibration sequences (default 64)")
+    p.add_argument("--seq-len", type=int, help="calibration sequence length (default 512)")
+    p.add_argument("--calib-docs", type=int, help="use only the first N documents")
+    p.add_argument("--text-field")
+    p.add_argument("--batch-size", type=int)
+    p.add_argument("--padding-side", choices=["right", "left"])
+    p.add_argument("--seed", type=int)
+    p.add_argument("--cosine-tokens", type=int, help="token subsample for numerical fits")
+    p.add_argument("--cosine-steps", type=int, help="L-BFGS iterations for numerical fits")
+    p.add_argument("--ppl", nargs="?", const=str(DEFAULT_PPL_TEXT), help="also measure perplexity before/after on this text")
+    p.add_argument("--ppl-seq-len", type=int, default=512)
+    p.add_argument("--ppl-windows", type=int, default=None, help="first N windows only (default: whole text)")
+
+
+def _add_eval(sub) -> None:
+    p = sub.add_parser("eval", help="perplexity of a model (and of the original it was compressed from)")
+    p.add_argument("--model", required=True)
+    p.add_argument("--ppl", default=str(DEFAULT_PPL_TEXT), help=f"text file (default {DEFAULT_PPL_TEXT})")
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--max-windows", type=int, default=None, help="first N windows only (default: whole text)")
+    p.add_argument("--baseline", default="auto", help="model to compare against; 'auto' = the manifest's source, 'none' = skip")
+    p.add_argument("--json", help="write the results as JSON here")
+
+
+def _recipe_from_args(args):
+    from blockfold.recipe import Recipe
+
+    data = Recipe.from_yaml(args.recipe).model_dump() if args.recipe else {}
+    for flag, dotted in RECIPE_FLAGS.items():
+        value = getattr(args, flag, None)
+        if value is None:
+            continue
+        target = data
+        *parents, leaf = dotted.split(".")
+        for key in parents:
+            target = target.setdefault(key, {})
+        target[leaf] = value
+    if args.ratio is not None and args.blocks is None:
+        data["blocks"] = None
+    return Recipe.parse(data, origin="recipe")
+
+
+def _print_table(rows: list[tuple[str, str]], title: str) -> None:
+    width = max(len(k) for k, _ in rows)
+    print(f"\n{title}\n" + "-" * (width + 40))
+    for key, value in rows:
+        print(f"{key:<{width}}  {value}")
+
+
+def _check_calibration_source(source: str | None) -> None:
+    if source and not Path(source).expanduser().exists() and Path(source).suffix in (".txt", ".json", ".jsonl"):
+        raise BlockfoldError(f"calibration file {source} not found: pass an existing file to --calib")
+
+
+def cmd_compress(args) -> int:
+    from blockfold import compress
+    from blockfold.eval import perplexity, read_eval_text, tokenize_windows
+    from blockfold.models import load_model, model_fingerprint
+    from blockfold.surgery import check_output_folder, save_compressed
+
+    recipe = _recipe_from_args(args)
+    check_output_folder(args.out, args.overwrite)
+    _check_calibration_source(recipe.calibration.source)
+    ppl_text = read_eval_text(args.ppl) if args.ppl else None
+    started = time.perf_counter()
+    loaded = load_model(args.model)
+    load_seconds = time.perf_counter() - started
+    before = None
+    if ppl_text is not None:
+        windows = tokenize_windows(ppl_text, loaded.tokenizer, args.ppl_seq_len, args.ppl_windows)
+        before = perplexity(loaded.model, windows, description="perplexity (original)")
+    fingerprint = model_fingerprint(loaded.model)
+    result = compress(loaded.model, loaded.tokenizer, recipe)
+    manifest = result.manifest
+    manifest["source_model"] = {"spec": args.model, "path": str(loaded.path) if loaded.path else None,
+                                "fingerprint": fingerprint}
+    manifest["load_seconds"] = load_seconds
+    after = None
+    if ppl_text is not None:
+        after = perplexity(result.model, windows, description="perplexity (compressed)")
+        manifest["perplexity"] = {"text": args.ppl, "original": before, "compressed": after}
+    out = save_compressed(result.model, loaded.tokenizer, args.out, manifest, recipe.to_yaml(), args.overwrite)
+    fit = manifest["transform"]
+    rows = [
+        ("model", f"{args.model} ({manifest['architecture']['model_type']})"),
+        ("method / estimator", f"{recipe.method} / {recipe.estimator}"),
+        ("blocks", f"{manifest['original_num_layers']} -> {manifest['num_layers']} (removed {_span(manifest['removed_blocks'])})"),
+        ("parameters", f"{manifest['original_parameters'] / 1e6:.1f}M -> {manifest['parameters'] / 1e6:.1f}M "
+                       f"({manifest['parameters'] / manifest['original_parameters']:.3f}x)"),
+        (f"selection ({manifest['selection']['criterion']})", f"{manifest['selection']['score']:.4f}"),
+        ("relative fit error (lstsq)", f"{fit['relative_fit_error']:.4f} (plain removal {fit['relative_error_plain_removal']:.4f})"),
+        ("calibration", f"{manifest['calibration']['source']}: {manifest['calibration']['sequences']} seqs, "
+                        f"{manifest['calibration']['tokens']} tokens"),
+        ("compress time", f"{manifest['compress_seconds']:.1f} s (+ {load_seconds:.1f} s loading)"),
+    ]
+    if "numerical_fit" in fit:
+        nf = fit["numerical_fit"]
+        rows.append((f"numerical fit ({nf['objective']})", f"loss {nf['loss_start']:.4f} -> {nf['loss_end']:.4f} on {nf['sample_tokens']} tokens"))
+    if after is not None:
+        rows.append(("perplexity", f"{before['perplexity']:.2f} -> {after['perplexity']:.2f} "
+                                   f"({after['perplexity'] / before['perplexity']:.2f}x, {after['windows']} windows)"))
+    rows.append(("saved", str(out)))
+    _print_table(rows, "blockfold compress")
+    return 0
+
+
+def _span(blocks: list[int]) -> str:
+    return f"{blocks[0]}-{blocks[-1]}" if blocks == list(range(blocks[0], blocks[-1] + 1)) else ",".join(map(str, blocks))
+
+
+def cmd_eval(args) -> int:
+    from blockfold.eval import perplexity, read_eval_text, tokenize_windows
+    from blockfold.models import load_model
+    from blockfold.surgery import read_manifest
+
+    text = read_eval_text(args.ppl)
+    candidates = [("model", args.model)]
+    baseline = args.baseline
+    if baseline == "auto":
+        manifest = read_manifest(args.model) if Path(args.model).is_dir() else None
+        baseline = manifest["source_model"]["spec"] if manifest and "source_model" in manifest else "none"
+    if baseline != "none":
+        candidates.insert(0, ("original", baseline))
+    results = {}
+    for role, spec in candidates:
+        loaded = load_model(spec)
+        windows = tokenize_windows(text, loaded.tokenizer, args.seq_len, args.max_windows)
+        results[role] = {"spec": spec, **perplexity(loaded.model, windows, description=f"perplexity ({role})")}
+        del loaded
+    rows = [(f"{role}: {r['spec']}", f"ppl {r['perplexity']:.2f} ({r['windows']} windows x {r['window_length']})")
+            for role, r in results.items()]
+    if "original" in results:
+        ratio = results["model"]["perplexity"] / results["original"]["perplexity"]
+        results["ratio"] = ratio
+        rows.append(("ratio (model / original)", f"{ratio:.3f}"))
+    _print_table(rows, f"blockfold eval: {args.ppl}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="blockfold", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_compress(sub)
+    _add_eval(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    warnings.simplefilter("default")
+    try:
+        return {"compress": cmd_compress, "eval": cmd_eval}[args.command](args)
+    except BlockfoldError as err:
+        print(f"blockfold: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

