@@ -38,7 +38,7 @@ def fit_numerically(
     contribution: Contribution = linear_contribution,
 ) -> tuple[torch.Tensor, dict]:
     """Minimise ``objective`` over the transform, from ``init``; float32 on the sample's device."""
-    transform = init.float().clone().requires_grad_(True)
+    transform = init.float().contiguous().clone().requires_grad_(True)
     optimizer = torch.optim.LBFGS(
         [transform], lr=config.learning_rate, max_iter=config.steps, history_size=20,
         line_search_fn="strong_wolfe", tolerance_grad=1e-9, tolerance_change=1e-12,
@@ -50,8 +50,9 @@ def fit_numerically(
         loss.backward()
         return loss
 
-    with torch.enable_grad():
+    with torch.no_grad():
         initial = float(span_loss(rows, transform, contribution, objective))
+    with torch.enable_grad():
         optimizer.step(closure)
     with torch.no_grad():
         final = float(span_loss(rows, transform, contribution, objective))

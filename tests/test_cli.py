@@ -1,0 +1,171 @@
+"""The command line: bad input gives one clear line, a non-zero exit and writes nothing;
+a tiny model goes through compress and eval and reloads without blockfold installed."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_model, tiny_tokenizer
+
+from blockfold.cli import main
+from blockfold.recipe import Recipe
+from blockfold.surgery import MANIFEST_NAME
+
+
+@pytest.fixture
+def tiny_folder(tmp_path) -> Path:
+    folder = tmp_path / "tiny-llama"
+    tiny_model("llama").save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture
+def corpus(tmp_path) -> Path:
+    path = tmp_path / "corpus.txt"
+    generator = torch.Generator().manual_seed(0)
+    words = torch.randint(0, 90, (4000,), generator=generator)
+    path.write_text(" ".join(f"w{int(w)}" for w in words))
+    return path
+
+
+def _run(capsys, *argv) -> tuple[int, str]:
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.err
+
+
+def _assert_one_line_error(code, err, *needles):
+    lines = [line for line in err.splitlines() if line.startswith("blockfold: error:")]
+    assert code != 0 and len(lines) == 1, err
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def _compress_args(model, corpus, out, *extra):
+    return ["compress", "--model", str(model), "--calib", str(corpus), "--out", str(out),
+            "--num-seqs", "8", "--seq-len", "32", *extra]
+
+
+def test_compress_and_eval_tiny_model(capsys, tiny_folder, corpus, tmp_path):
+    out = tmp_path / "compressed"
+    code = main(_compress_args(tiny_folder, corpus, out, "--blocks", "2", "--ppl", str(corpus), "--ppl-seq-len", "32"))
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "blockfold compress" in printed and "perplexity" in printed
+    manifest = json.loads((out / MANIFEST_NAME).read_text())
+    assert manifest["num_layers"] == 4 and manifest["calibration"]["tokens"] == 8 * 32
+    assert Recipe.from_yaml(out / "blockfold_recipe.yaml").blocks == 2
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "no staging folder left behind"
+    results = tmp_path / "eval.json"
+    assert main(["eval", "--model", str(out), "--ppl", str(corpus), "--seq-len", "32", "--json", str(results)]) == 0
+    evaluated = json.loads(results.read_text())
+    assert set(evaluated) == {"original", "model", "ratio"}
+    assert evaluated["model"]["perplexity"] > 0
+
+
+def test_recipe_file_with_flag_override(capsys, tiny_folder, corpus, tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(Recipe(blocks=3, estimator="cosine", calibration={"num_sequences": 8, "sequence_length": 32}).to_yaml())
+    out = tmp_path / "out"
+    assert main(["compress", "--model", str(tiny_folder), "--calib", str(corpus), "--out", str(out),
+                 "--recipe", str(recipe), "--blocks", "2", "--cosine-steps", "5"]) == 0
+    manifest = json.loads((out / MANIFEST_NAME).read_text())
+    assert manifest["recipe"]["blocks"] == 2 and manifest["recipe"]["estimator"] == "cosine"
+    assert manifest["transform"]["numerical_fit"]["loss_end"] <= manifest["transform"]["numerical_fit"]["loss_start"]
+
+
+@pytest.mark.parametrize("blocks", ["0", "-1", "6", "5"])
+def test_bad_block_count(capsys, tiny_folder, corpus, tmp_path, blocks):
+    out = tmp_path / "out"
+    code, err = _run(capsys, *_compress_args(tiny_folder, corpus, out, "--blocks", blocks))
+    _assert_one_line_error(code, err, "block")
+    assert not out.exists()
+
+
+def test_missing_model(capsys, corpus, tmp_path):
+    code, err = _run(capsys, *_compress_args(tmp_path / "nope", corpus, tmp_path / "out"))
+    _assert_one_line_error(code, err, "not found", "built-in")
+
+
+def test_unsupported_architecture(capsys, corpus, tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    folder = tmp_path / "gpt2"
+    GPT2LMHeadModel(GPT2Config(n_layer=4, n_embd=32, n_head=4, vocab_size=96)).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    code, err = _run(capsys, *_compress_args(folder, corpus, tmp_path / "out"))
+    _assert_one_line_error(code, err, "unsupported architecture 'gpt2'", "llama", "gemma3_text")
+    assert not (tmp_path / "out").exists()
+
+
+def test_empty_and_short_calibration(capsys, tiny_folder, tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    code, err = _run(capsys, *_compress_args(tiny_folder, empty, tmp_path / "out"))
+    _assert_one_line_error(code, err, "no text")
+    short = tmp_path / "short.txt"
+    short.write_text("w1 w2 w3")
+    code, err = _run(capsys, *_compress_args(tiny_folder, short, tmp_path / "out"))
+    _assert_one_line_error(code, err, "too short")
+    missing = tmp_path / "missing.jsonl"
+    code, err = _run(capsys, *_compress_args(tiny_folder, missing, tmp_path / "out"))
+    _assert_one_line_error(code, err, "not found")
+    assert not (tmp_path / "out").exists()
+
+
+def test_existing_output_refused_unless_overwrite(capsys, tiny_folder, corpus, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    code, err = _run(capsys, *_compress_args(tiny_folder, corpus, out))
+    _assert_one_line_error(code, err, "already exists", "--overwrite")
+    assert (out / "keep.txt").read_text() == "mine"
+    assert main(_compress_args(tiny_folder, corpus, out, "--blocks", "1", "--overwrite")) == 0
+    assert (out / MANIFEST_NAME).is_file() and not (out / "keep.txt").exists()
+
+
+def test_invalid_recipe_values(capsys, tiny_folder, corpus, tmp_path):
+    code, err = _run(capsys, *_compress_args(tiny_folder, corpus, tmp_path / "out", "--method", "magic"))
+    _assert_one_line_error(code, err, "unknown method 'magic'")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("blocks: 2\nestimatr: lstsq\n")
+    code, err = _run(capsys, *_compress_args(tiny_folder, corpus, tmp_path / "out", "--recipe", str(bad)))
+    _assert_one_line_error(code, err, "estimatr")
+
+
+def test_missing_perplexity_text_names_where_to_get_it(capsys, tiny_folder, tmp_path):
+    code, err = _run(capsys, "eval", "--model", str(tiny_folder), "--ppl", str(tmp_path / "wikitext2_test.txt"))
+    _assert_one_line_error(code, err, "not found", "wikitext")
+
+
+RELOAD_SCRIPT = r"""
+import sys, json, torch
+sys.modules["blockfold"] = None  # blockfold must not be importable here
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32).eval()
+ids = torch.tensor(json.loads(sys.argv[2]))
+out = model.generate(ids, max_new_tokens=12, do_sample=False, use_cache=True, pad_token_id=0)
+print(json.dumps(out.tolist()))
+"""
+
+
+def test_saved_output_reloads_without_blockfold_and_generates_same_tokens(arch, tmp_path):
+    import blockfold
+    from blockfold.surgery import save_compressed
+
+    model = tiny_model(arch)
+    from conftest import random_calibration
+
+    result = blockfold.compress(model, tiny_tokenizer(), {"blocks": 2}, calibration=random_calibration())
+    out = save_compressed(result.model, tiny_tokenizer(), tmp_path / "out", result.manifest, "blocks: 2\n")
+    ids = [[5, 17, 33, 8, 61, 20]]
+    expected = model.generate(torch.tensor(ids), max_new_tokens=12, do_sample=False, use_cache=True, pad_token_id=0)
+    completed = subprocess.run([sys.executable, "-c", RELOAD_SCRIPT, str(out), json.dumps(ids)],
+                               capture_output=True, text=True, check=True)
+    assert json.loads(completed.stdout.strip().splitlines()[-1]) == expected.tolist()

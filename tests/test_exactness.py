@@ -1,0 +1,159 @@
+"""Exactness of the pieces on tiny random-weight models of every supported architecture."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from conftest import random_calibration, tiny_model
+
+import blockfold
+from blockfold.adapters import get_adapter
+from blockfold.data import Batch, CalibrationSet
+from blockfold.estimate import fit_lstsq
+from blockfold.stats import SpanStatistics, stream_activations
+from blockfold.surgery import fold_into_down_proj, remove_blocks
+
+
+class _ExplicitTransform(torch.nn.Module):
+    """``down_proj`` followed by an explicit linear map: the unfolded reference."""
+
+    def __init__(self, down_proj, transform):
+        super().__init__()
+        self.down_proj, self.transform = down_proj, transform.float()
+
+    def forward(self, x):
+        return self.down_proj(x) @ self.transform
+
+
+def test_folded_model_matches_explicit_transform(arch):
+    model = tiny_model(arch)
+    adapter = get_adapter(model)
+    torch.manual_seed(3)
+    transform = torch.eye(32, dtype=torch.float64) + 0.2 * torch.randn(32, 32, dtype=torch.float64)
+    start, span = 2, [2, 3]
+
+    reference = copy.deepcopy(model)
+    mlp = adapter.mlp(adapter.layers(reference)[start - 1])
+    setattr(mlp, adapter.down_proj_attr, _ExplicitTransform(adapter.down_proj(adapter.layers(reference)[start - 1]), transform))
+    remove_blocks(reference, adapter, span)
+
+    fold_into_down_proj(adapter.down_proj(adapter.layers(model)[start - 1]), transform)
+    remove_blocks(model, adapter, span)
+
+    ids = torch.randint(4, 96, (2, 20))
+    with torch.no_grad():
+        diff = (model(ids).logits - reference(ids).logits).abs().max().item()
+    assert diff <= 1e-4, f"{arch}: folded vs explicit max abs diff {diff}"
+    assert model.config.num_hidden_layers == 4
+    assert [layer.self_attn.layer_idx for layer in adapter.layers(model)] == [0, 1, 2, 3]
+
+
+def _span_rows(model, adapter, batch, start, length):
+    """X (MLP contribution of block start-1) and Y (target minus attention residual), computed directly."""
+    captured = {}
+    layers = adapter.layers(model)
+    hook = adapter.mlp_contribution_module(layers[start - 1]).register_forward_hook(
+        lambda m, a, out: captured.__setitem__("x", out))
+    with torch.no_grad():
+        hidden = model.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                             position_ids=batch.position_ids, output_hidden_states=True).hidden_states
+    hook.remove()
+    x = captured["x"].reshape(-1, 32).double()
+    block_out = hidden[start].reshape(-1, 32).double()
+    # HF's last hidden state is after the final norm; spans used here end before the last block.
+    target = hidden[start + length].reshape(-1, 32).double()
+    return x, target - (block_out - x)
+
+
+def test_lstsq_equals_numpy_lstsq(arch):
+    model = tiny_model(arch)
+    adapter = get_adapter(model)
+    calibration = random_calibration(num_sequences=8, length=24)
+    stats = SpanStatistics(6, max_length=2, fit_length=2)
+    stream_activations(model, adapter, calibration, [stats])
+    table = stats.finalize()
+    ids = torch.cat([b.input_ids for b in calibration])
+    for start in (1, 2, 3):
+        # the same batches as the pass, so both see bit-identical activations
+        rows = [_span_rows(model, adapter, b, start, 2) for b in calibration]
+        x, y = torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows])
+        expected = np.linalg.lstsq(x.numpy(), y.numpy(), rcond=None)[0]
+        transform, info = fit_lstsq(table.normal_equations[start])
+        np.testing.assert_allclose(transform.numpy(), expected, rtol=1e-7, atol=1e-9)
+        direct_error = float(((x @ transform - y) ** 2).sum() / (y**2).sum())
+        assert info["relative_fit_error"] == pytest.approx(direct_error, rel=1e-6, abs=1e-9)
+        assert table.normal_equations[start].tokens == ids.numel()
+
+
+def _ragged_calibration(lengths, side, batch_size, seed=5):
+    from blockfold.data import batch_sequences
+
+    generator = torch.Generator().manual_seed(seed)
+    sequences = [torch.randint(4, 96, (n,), generator=generator) for n in lengths]
+    batches = batch_sequences(sequences, batch_size, pad_id=0, side=side)
+    return CalibrationSet(batches, {})
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_padding_does_not_change_statistics(arch, side):
+    model = tiny_model(arch)
+    adapter = get_adapter(model)
+    lengths = [24, 9, 17, 5, 24, 12]
+    tables = []
+    for batch_size in (1, 3):  # batch_size 1: no padding at all
+        stats = SpanStatistics(6, max_length=3, fit_length=2)
+        stream_activations(model, adapter, _ragged_calibration(lengths, side, batch_size), [stats])
+        tables.append(stats.finalize())
+    unpadded, padded = tables
+    assert padded.tokens == unpadded.tokens == sum(lengths)
+    for name in ("angular_all", "angular_last", "cosine_all"):
+        np.testing.assert_allclose(getattr(padded, name), getattr(unpadded, name), rtol=1e-4, atol=1e-6)
+    for start, eq in unpadded.normal_equations.items():
+        other = padded.normal_equations[start]
+        np.testing.assert_allclose(other.xtx.numpy(), eq.xtx.numpy(), rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(other.xty.numpy(), eq.xty.numpy(), rtol=1e-4, atol=1e-4)
+
+
+def test_statistics_merge_equals_single_pass():
+    model = tiny_model("llama")
+    adapter = get_adapter(model)
+    calibration = random_calibration(num_sequences=8)
+    whole = SpanStatistics(6, 2, 2)
+    stream_activations(model, adapter, calibration, [whole])
+    shards = [SpanStatistics(6, 2, 2), SpanStatistics(6, 2, 2)]
+    for shard, batch in zip(shards, calibration.batches):
+        stream_activations(model, adapter, [batch], [shard])
+    merged = shards[0].merge(shards[1]).finalize()
+    whole = whole.finalize()
+    np.testing.assert_allclose(merged.angular_all, whole.angular_all, rtol=1e-12)
+    torch.testing.assert_close(merged.normal_equations[2].xty, whole.normal_equations[2].xty)
+
+
+def test_compress_removes_selected_span_and_keeps_generation_working(arch, tokenizer):
+    model = tiny_model(arch)
+    result = blockfold.compress(model, tokenizer, {"blocks": 2}, calibration=random_calibration())
+    manifest = result.manifest
+    assert manifest["num_layers"] == 4 and len(manifest["removed_blocks"]) == 2
+    assert manifest["removed_blocks"][0] >= 1, "the first block is never removed"
+    assert manifest["selection"]["start"] == min(manifest["selection"]["candidates"], key=manifest["selection"]["candidates"].get)
+    assert manifest["transform"]["relative_fit_error"] <= manifest["transform"]["relative_error_plain_removal"] + 1e-9
+    ids = torch.randint(4, 96, (1, 6))
+    out = model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert out.shape == (1, 18)
+
+
+def test_singular_normal_equations_fall_back_to_ridge():
+    x = torch.randn(50, 4, dtype=torch.float64)
+    x = torch.cat([x, x[:, :1]], dim=1)  # a repeated column: XᵀX is singular
+    y = torch.randn(50, 5, dtype=torch.float64)
+    from blockfold.stats import NormalEquations
+
+    eq = NormalEquations(x.T @ x, x.T @ y, float((y * y).sum()), 0.0, 50)
+    with pytest.warns(UserWarning, match="singular"):
+        transform, info = fit_lstsq(eq)
+    assert info["ridge_alpha"] > 0 and torch.isfinite(transform).all()
+    best = np.linalg.lstsq(x.numpy(), y.numpy(), rcond=None)[0]
+    assert info["relative_fit_error"] == pytest.approx(eq.relative_residual(torch.from_numpy(best)), rel=1e-4)
