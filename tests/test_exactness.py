@@ -157,3 +157,47 @@ def test_singular_normal_equations_fall_back_to_ridge():
     assert info["ridge_alpha"] > 0 and torch.isfinite(transform).all()
     best = np.linalg.lstsq(x.numpy(), y.numpy(), rcond=None)[0]
     assert info["relative_fit_error"] == pytest.approx(eq.relative_residual(torch.from_numpy(best)), rel=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3_text"])
+def test_linearized_norm_fold_matches_explicit_linear_map(arch):
+    """Sandwich blocks: with the post-MLP norm driven into its linear regime, the block adds exactly
+    ``down_proj(a) @ T`` (the reference replaces the norm by the identity and applies T explicitly)."""
+    from blockfold.surgery import fold_through_linearized_norm
+
+    model = tiny_model(arch)
+    adapter = get_adapter(model)
+    torch.manual_seed(4)
+    transform = 0.5 * torch.randn(32, 32, dtype=torch.float64)
+    block, ids = 1, torch.randint(4, 96, (2, 20))
+
+    reference = copy.deepcopy(model)
+    layer = adapter.layers(reference)[block]
+    mlp = adapter.mlp(layer)
+    setattr(mlp, adapter.down_proj_attr, _ExplicitTransform(adapter.down_proj(layer), transform))
+    setattr(layer, adapter.post_mlp_norm, torch.nn.Identity())
+
+    captured = []
+    hook = adapter.down_proj(adapter.layers(model)[block]).register_forward_hook(lambda m, a, out: captured.append(out))
+    with torch.no_grad():
+        model(ids)
+    hook.remove()
+    max_rms = float((captured[0].double() @ transform).pow(2).mean(-1).sqrt().max())
+    norm = adapter.mlp_norm(adapter.layers(model)[block])
+    fold_through_linearized_norm(adapter.down_proj(adapter.layers(model)[block]), norm, transform, max_rms,
+                                 adapter.norm_eps(norm), adapter.set_norm_scale)
+    with torch.no_grad():
+        expected, got = reference(ids).logits, model(ids).logits
+    diff = (got - expected).abs().max().item()
+    assert diff <= 1e-4 * max(1.0, expected.abs().max().item()), f"{arch}: max abs diff {diff}"
+
+
+@pytest.mark.parametrize("estimator", ["lstsq", "cosine"])
+def test_sandwich_fit_records_both_regimes_and_never_worse_than_either(estimator, tokenizer):
+    model = tiny_model("gemma3_text")
+    recipe = {"blocks": 2, "estimator": estimator, "cosine": {"steps": 10}}
+    manifest = blockfold.compress(model, tokenizer, recipe, calibration=random_calibration()).manifest
+    fit = manifest["transform"]
+    losses = fit["sample_loss_per_regime"]
+    assert fit["regime"] == min(losses, key=losses.get)
+    assert fit["through_norm"]["loss_end"] <= fit["through_norm"]["loss_start"] + 1e-6

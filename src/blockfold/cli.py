@@ -18,7 +18,7 @@ DEFAULT_PPL_TEXT = DATA_DIR / "wikitext2_test.txt"
 # CLI flag → dotted recipe field; None values are left to the recipe file / defaults.
 RECIPE_FLAGS = {
     "method": "method", "blocks": "blocks", "ratio": "ratio", "estimator": "estimator",
-    "ridge_alpha": "ridge_alpha", "criterion": "criterion",
+    "ridge_alpha": "ridge_alpha", "criterion": "criterion", "span_start": "span_start",
     "calib": "calibration.source", "num_seqs": "calibration.num_sequences",
     "seq_len": "calibration.sequence_length", "calib_docs": "calibration.max_documents",
     "text_field": "calibration.text_field", "batch_size": "calibration.batch_size",
@@ -36,7 +36,8 @@ def _add_compress(sub) -> None:
     p.add_argument("--method")
     p.add_argument("--blocks", type=int, help="number of blocks to remove")
     p.add_argument("--ratio", type=float, help="share of blocks to remove, instead of --blocks")
-    p.add_argument("--estimator", choices=["lstsq", "cosine"])
+    p.add_argument("--estimator", choices=["lstsq", "cosine", "identity"], help="identity = plain removal, no transform")
+    p.add_argument("--span-start", type=int, help="remove the span starting at this block instead of selecting one")
     p.add_argument("--ridge-alpha", type=float)
     p.add_argument("--criterion", choices=["angular_last", "angular_all"])
     p.add_argument("--calib", help="calibration .txt/.jsonl/.json or dataset name; omit for self-generated text")
@@ -96,6 +97,7 @@ def _check_calibration_source(source: str | None) -> None:
 
 def cmd_compress(args) -> int:
     from blockfold import compress
+    from blockfold.adapters import get_adapter
     from blockfold.eval import perplexity, read_eval_text, tokenize_windows
     from blockfold.models import load_model, model_fingerprint
     from blockfold.surgery import check_output_folder, save_compressed
@@ -105,7 +107,7 @@ def cmd_compress(args) -> int:
     _check_calibration_source(recipe.calibration.source)
     ppl_text = read_eval_text(args.ppl) if args.ppl else None
     started = time.perf_counter()
-    loaded = load_model(args.model)
+    loaded = load_model(args.model, check=get_adapter)
     load_seconds = time.perf_counter() - started
     before = None
     if ppl_text is not None:
@@ -130,11 +132,14 @@ def cmd_compress(args) -> int:
         ("parameters", f"{manifest['original_parameters'] / 1e6:.1f}M -> {manifest['parameters'] / 1e6:.1f}M "
                        f"({manifest['parameters'] / manifest['original_parameters']:.3f}x)"),
         (f"selection ({manifest['selection']['criterion']})", f"{manifest['selection']['score']:.4f}"),
-        ("relative fit error (lstsq)", f"{fit['relative_fit_error']:.4f} (plain removal {fit['relative_error_plain_removal']:.4f})"),
+        ("relative fit error", f"{fit['relative_fit_error']:.4f} (plain removal {fit['relative_error_plain_removal']:.4f})"),
         ("calibration", f"{manifest['calibration']['source']}: {manifest['calibration']['sequences']} seqs, "
                         f"{manifest['calibration']['tokens']} tokens"),
         ("compress time", f"{manifest['compress_seconds']:.1f} s (+ {load_seconds:.1f} s loading)"),
     ]
+    if "regime" in fit:
+        rows.append(("post-MLP norm treatment", f"{fit['regime']} (sample loss "
+                     + ", ".join(f"{k} {v:.4f}" for k, v in fit["sample_loss_per_regime"].items()) + ")"))
     if "numerical_fit" in fit:
         nf = fit["numerical_fit"]
         rows.append((f"numerical fit ({nf['objective']})", f"loss {nf['loss_start']:.4f} -> {nf['loss_end']:.4f} on {nf['sample_tokens']} tokens"))

@@ -56,7 +56,9 @@ class Recipe(_Strict):
     method: str = "replaceme"
     blocks: int | None = Field(None, ge=1)
     ratio: float | None = Field(None, gt=0, lt=1)
-    estimator: Literal["lstsq", "cosine"] = "lstsq"
+    estimator: Literal["lstsq", "cosine", "identity"] = "lstsq"
+    # Fix the span's first block instead of selecting it (for studies and reproductions).
+    span_start: int | None = Field(None, ge=1)
     ridge_alpha: float = Field(0.0, ge=0)
     criterion: Literal["angular_last", "angular_all"] = "angular_last"
     calibration: CalibrationConfig = Field(default_factory=CalibrationConfig)

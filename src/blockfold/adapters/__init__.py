@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from torch import nn
-
 from blockfold.adapters.base import DecoderAdapter
 from blockfold.errors import BlockfoldError
 
@@ -32,9 +30,10 @@ def supported_model_types() -> list[str]:
     return sorted(ADAPTERS)
 
 
-def get_adapter(model: nn.Module) -> DecoderAdapter:
-    """The adapter for ``model``, or a clear error naming the supported architectures."""
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
+def get_adapter(model_or_config) -> DecoderAdapter:
+    """The adapter for a model (or its config), or a clear error naming the supported architectures."""
+    config = getattr(model_or_config, "config", model_or_config)
+    model_type = getattr(config, "model_type", None)
     if model_type not in ADAPTERS:
         raise BlockfoldError(
             f"unsupported architecture {model_type!r}: blockfold supports "

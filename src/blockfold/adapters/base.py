@@ -72,6 +72,15 @@ class DecoderAdapter:
         """The effective per-channel scale g of an RMSNorm (``weight`` or ``1 + weight``)."""
         return norm.weight.detach().double() + self.norm_weight_offset
 
+    def set_norm_scale(self, norm: nn.Module, scale: torch.Tensor | float) -> None:
+        """Set the effective per-channel scale g of an RMSNorm (inverse of ``norm_scale``)."""
+        with torch.no_grad():
+            norm.weight.copy_(torch.as_tensor(scale, dtype=torch.float64) - self.norm_weight_offset)
+
+    @staticmethod
+    def norm_eps(norm: nn.Module) -> float:
+        return float(getattr(norm, "eps", getattr(norm, "variance_epsilon", 1e-6)))
+
     @property
     def folds_exactly(self) -> bool:
         """True when a map on the MLP contribution folds into ``down_proj`` with no error."""

@@ -12,7 +12,9 @@ from blockfold.stats import NormalEquations
 FALLBACK_RELATIVE_RIDGE = 1e-6
 
 
-def solve_normal_equations(xtx: torch.Tensor, xty: torch.Tensor, alpha: float = 0.0) -> tuple[torch.Tensor, float]:
+def solve_normal_equations(
+    xtx: torch.Tensor, xty: torch.Tensor, alpha: float = 0.0, warn: bool = True
+) -> tuple[torch.Tensor, float]:
     """``argmin_T ‖XT − Y‖² + alpha‖T‖²`` in float64; returns T and the ridge actually used.
 
     A singular (or numerically indefinite) system gets a small ridge with a warning instead of an
@@ -26,22 +28,23 @@ def solve_normal_equations(xtx: torch.Tensor, xty: torch.Tensor, alpha: float = 
         if alpha > 0 or eigen[0] > eigen[-1] * 1e-13:
             return torch.cholesky_solve(xty, factor), alpha
     ridge = alpha + FALLBACK_RELATIVE_RIDGE * float(xtx.diagonal().mean().clamp(min=1e-30))
-    warnings.warn(
-        f"normal equations are singular (too few or degenerate calibration tokens); "
-        f"adding ridge alpha={ridge:.3g}. Give more calibration data or set ridge_alpha",
-        stacklevel=2,
-    )
+    if warn:
+        warnings.warn(
+            f"normal equations are singular (too few or degenerate calibration tokens); "
+            f"adding ridge alpha={ridge:.3g}. Give more calibration data or set ridge_alpha",
+            stacklevel=3,
+        )
     factor = torch.linalg.cholesky(xtx + ridge * eye)
     return torch.cholesky_solve(xty, factor), ridge
 
 
-def fit_lstsq(equations: NormalEquations, alpha: float = 0.0) -> tuple[torch.Tensor, dict]:
-    transform, used_alpha = solve_normal_equations(equations.xtx, equations.xty, alpha)
+def fit_lstsq(equations: NormalEquations, alpha: float = 0.0, warn: bool = True) -> tuple[torch.Tensor, dict]:
+    transform, used_alpha = solve_normal_equations(equations.xtx, equations.xty, alpha, warn)
     info = {
         "estimator": "lstsq",
         "ridge_alpha": used_alpha,
         "relative_fit_error": equations.relative_residual(transform),
-        "relative_error_plain_removal": equations.identity_error / max(equations.yty_trace, 1e-300),
+        "relative_error_plain_removal": equations.relative_error_identity(),
         "tokens": equations.tokens,
     }
     return transform, info

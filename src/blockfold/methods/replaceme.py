@@ -1,59 +1,117 @@
 """ReplaceMe: remove the span of blocks that changes the residual stream least, fold one linear map.
 
 Composition: one streaming pass (span distances + normal equations for every candidate start) →
-pick the span → closed-form fit (and, for the cosine objective or sandwich norms, a numerical fit
-on a token subsample from a second, truncated pass) → fold into the down-projection of the block
-before the span → delete the span.
+pick the span → closed-form fit (and, for the cosine objective or sandwich norms, a second,
+truncated pass for a token subsample) → fold into the down-projection of the block before the
+span → delete the span.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from blockfold.adapters import DecoderAdapter, get_adapter
 from blockfold.data import CalibrationSet
-from blockfold.estimate import fit_lstsq, fit_numerically
+from blockfold.estimate import fit_lstsq, fit_numerically, linear_contribution, span_loss
 from blockfold.recipe import Recipe
 from blockfold.select import best_span
-from blockfold.stats import SpanSample, SpanStatistics, stream_activations
-from blockfold.surgery import fold_into_down_proj, remove_blocks
+from blockfold.stats import NormalEquations, SpanSample, SpanStatistics, stream_activations
+from blockfold.surgery import fold_into_down_proj, fold_through_linearized_norm, remove_blocks
 
 
-def _through_norm_contribution(norm: torch.nn.Module):
-    """``z ↦ norm(z B)``: the MLP contribution when B is folded before a post-MLP norm."""
+@dataclass
+class FittedMap:
+    transform: torch.Tensor
+    info: dict
+    # sandwich blocks only: "linearized-norm" (T on the down-projection output, norm made linear)
+    # or "through-norm" (B before the norm, fitted with the norm in the loop)
+    regime: str = "exact"
+    output_max_rms: float = 0.0
+    extra: dict = field(default_factory=dict)
 
-    def contribution(z: torch.Tensor, transform: torch.Tensor) -> torch.Tensor:
-        return norm(z @ transform)
 
-    return contribution
+def _numerical(recipe: Recipe) -> tuple[bool, str]:
+    return recipe.estimator == "cosine", "cosine" if recipe.estimator == "cosine" else "mse"
 
 
-def _fit_transform(model, adapter: DecoderAdapter, recipe: Recipe, calibration, start: int, length: int, equations):
-    """The map to fold into ``down_proj`` of block ``start - 1`` and a record of how it was fitted."""
+def _fit_prenorm(model, adapter, recipe, calibration, start, length, equations: NormalEquations) -> FittedMap:
+    """Pre-norm blocks: T acts on the MLP contribution and folds into down_proj exactly."""
     transform, info = fit_lstsq(equations, recipe.ridge_alpha)
-    if recipe.estimator == "lstsq" and adapter.folds_exactly:
-        return transform, info
-    sample = SpanSample(start, length, recipe.cosine.max_tokens, calibration.num_tokens,
-                        pre_norm=not adapter.folds_exactly, seed=recipe.calibration.seed)
-    stream_activations(model, adapter, calibration, [sample], description="sampling span rows")
+    if recipe.estimator == "identity":  # plain removal of the span, for comparison
+        identity = torch.eye(transform.shape[0], dtype=torch.float64)
+        return FittedMap(identity, {**info, "estimator": "identity", "relative_fit_error": equations.relative_residual(identity)})
+    if recipe.estimator == "cosine":
+        sample = SpanSample(start, length, recipe.cosine.max_tokens, calibration.num_tokens, pre_norm=False,
+                            seed=recipe.calibration.seed)
+        stream_activations(model, adapter, calibration, [sample], description="sampling span rows")
+        transform, info["numerical_fit"] = fit_numerically(sample.rows(), transform, recipe.cosine, "cosine")
+        info["relative_fit_error"] = equations.relative_residual(transform)
+        info["estimator"] = "cosine"
+    return FittedMap(transform, info)
+
+
+def _fit_sandwich(model, adapter: DecoderAdapter, recipe, calibration, start, length, equations) -> FittedMap:
+    """Sandwich blocks: a post-MLP norm sits between down_proj and the residual (docs/gemma.md).
+
+    Two exact-to-fold regimes are fitted and the one with the lower loss on the token sample kept:
+    ``linearized-norm`` fits T on the down-projection output z (closed form over all tokens) and
+    makes the norm linear; ``through-norm`` folds B = diag(g) T diag(1/g) from the post-norm fit
+    and refits B with the norm in the loop.
+    """
+    if recipe.estimator == "identity":
+        error = equations.relative_error_identity()
+        return FittedMap(torch.eye(adapter.hidden_size(model), dtype=torch.float64),
+                         {"estimator": "identity", "relative_fit_error": error, "relative_error_plain_removal": error})
+    num_layers = adapter.num_layers(model)
+    sample = SpanSample(start, length, recipe.cosine.max_tokens, calibration.num_tokens, pre_norm=True,
+                        seed=recipe.calibration.seed)
+    z_statistics = SpanStatistics(num_layers, 0, length, starts=[start], inputs="down_out")
+    stream_activations(model, adapter, calibration, [sample, z_statistics], description="sampling span rows")
     rows = sample.rows()
-    objective = "cosine" if recipe.estimator == "cosine" else "mse"
-    if adapter.folds_exactly:
-        transform, info["numerical_fit"] = fit_numerically(rows, transform, recipe.cosine, objective)
-    else:
-        # The closed-form T acts after the post-MLP norm (scale g). B = diag(g) T diag(1/g) before the
-        # norm reproduces T's direction per token; refit B with the norm in the loop so the folded
-        # weights are what is optimised (docs/gemma.md).
-        norm = adapter.mlp_norm(adapter.layers(model)[start - 1])
-        scale = adapter.norm_scale(norm)
-        init = scale[:, None] * transform / scale[None, :]
-        transform, info["numerical_fit"] = fit_numerically(
-            rows, init, recipe.cosine, objective, _through_norm_contribution(norm)
-        )
-        info["folded_before_post_mlp_norm"] = True
-    info["estimator"] = recipe.estimator
-    return transform, info
+    z_equations = z_statistics.finalize().normal_equations[start]
+    numerical, objective = _numerical(recipe)
+
+    post_norm_transform, info = fit_lstsq(equations, recipe.ridge_alpha)
+    info = {"estimator": recipe.estimator, "post_norm_space_relative_error": info["relative_fit_error"],
+            "relative_error_plain_removal": info["relative_error_plain_removal"], "tokens": info["tokens"]}
+
+    linear, linear_info = fit_lstsq(z_equations, recipe.ridge_alpha)
+    if numerical:
+        linear, linear_info["numerical_fit"] = fit_numerically(rows, linear, recipe.cosine, objective)
+    linear_info["relative_fit_error"] = z_equations.relative_residual(linear)
+
+    norm = adapter.mlp_norm(adapter.layers(model)[start - 1])
+    scale = adapter.norm_scale(norm)
+    through_norm = lambda z, b: norm(z @ b)  # noqa: E731 - the MLP contribution with B folded before the norm
+    through, through_info = fit_numerically(rows, scale[:, None] * post_norm_transform / scale[None, :],
+                                            recipe.cosine, objective, through_norm)
+
+    with torch.no_grad():
+        losses = {"linearized-norm": float(span_loss(rows, linear.float(), linear_contribution, objective)),
+                  "through-norm": float(span_loss(rows, through.float(), through_norm, objective))}
+    regime = min(losses, key=losses.get)
+    info.update({"regime": regime, "sample_loss_per_regime": losses, "objective": objective,
+                 "linearized_norm": linear_info, "through_norm": through_info})
+    if regime == "linearized-norm":
+        info["relative_fit_error"] = linear_info["relative_fit_error"]
+        output_rms = float((rows.x.double() @ linear).pow(2).mean(-1).sqrt().max())
+        return FittedMap(linear, info, regime, output_rms)
+    info["relative_fit_error"] = losses["through-norm"] if objective == "mse" else through_info["loss_end"]
+    return FittedMap(through, info, regime)
+
+
+def _fold(model, adapter: DecoderAdapter, block: int, fitted: FittedMap) -> None:
+    layer = adapter.layers(model)[block]
+    down_proj = adapter.down_proj(layer)
+    if fitted.regime == "linearized-norm":
+        norm = adapter.mlp_norm(layer)
+        fitted.info["linearized_norm"]["down_proj_scale"] = fold_through_linearized_norm(
+            down_proj, norm, fitted.transform, fitted.output_max_rms, adapter.norm_eps(norm), adapter.set_norm_scale)
+    elif fitted.info.get("estimator") != "identity":
+        fold_into_down_proj(down_proj, fitted.transform)
 
 
 def compress_replaceme(
@@ -65,11 +123,10 @@ def compress_replaceme(
     statistics = SpanStatistics(num_layers, max_length=length, fit_length=length)
     stream_activations(model, adapter, calibration, [statistics])
     table = statistics.finalize()
-    choice = best_span(table.criterion(recipe.criterion), length, recipe.criterion)
-    transform, fit = _fit_transform(
-        model, adapter, recipe, calibration, choice.start, length, table.normal_equations[choice.start]
-    )
-    fold_into_down_proj(adapter.down_proj(adapter.layers(model)[choice.start - 1]), transform)
+    choice = best_span(table.criterion(recipe.criterion), length, recipe.criterion, fixed_start=recipe.span_start)
+    fit = _fit_prenorm if adapter.folds_exactly else _fit_sandwich
+    fitted = fit(model, adapter, recipe, calibration, choice.start, length, table.normal_equations[choice.start])
+    _fold(model, adapter, choice.start - 1, fitted)
     remove_blocks(model, adapter, choice.blocks)
     return {
         "removed_blocks": choice.blocks,
@@ -81,12 +138,12 @@ def compress_replaceme(
             "score": choice.score,
             "candidates": choice.candidates,
             "lstsq_relative_error_per_candidate": {
-                start: fit_lstsq(eq, recipe.ridge_alpha)[1]["relative_fit_error"]
+                start: eq.relative_residual(fit_lstsq(eq, recipe.ridge_alpha, warn=False)[0])
                 for start, eq in table.normal_equations.items()
             },
             "span_distances": {name: _table(getattr(table, name)) for name in ("angular_last", "angular_all", "cosine_all")},
         },
-        "transform": fit,
+        "transform": fitted.info,
     }
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from blockfold.errors import BlockfoldError
 
@@ -117,9 +117,16 @@ def resolve_model_path(spec: str) -> Path | str:
     return spec  # a hub id such as "org/name"; works when a hub is reachable
 
 
-def load_model(spec: str, dtype: torch.dtype = torch.float32, device: str = "cpu") -> LoadedModel:
-    """Load model and tokenizer from any supported source, in ``dtype`` and eval mode."""
+def load_model(
+    spec: str, dtype: torch.dtype = torch.float32, device: str = "cpu", check: Callable[[object], None] | None = None
+) -> LoadedModel:
+    """Load model and tokenizer from any supported source, in ``dtype`` and eval mode.
+
+    ``check`` receives the config before any weights are read, so unsupported models fail fast.
+    """
     location = resolve_model_path(spec)
+    if check is not None:
+        check(AutoConfig.from_pretrained(location))
     try:
         tokenizer = AutoTokenizer.from_pretrained(location)
         model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import torch
@@ -40,6 +41,10 @@ class NormalEquations:
     def relative_residual(self, transform: torch.Tensor) -> float:
         return self.residual(transform) / max(self.yty_trace, 1e-300)
 
+    def relative_error_identity(self) -> float:
+        """Relative error of keeping the block before the span as it is (plain removal)."""
+        return self.identity_error / max(self.yty_trace, 1e-300)
+
 
 @dataclass
 class SpanTable:
@@ -56,22 +61,40 @@ class SpanTable:
         return {"angular_all": self.angular_all, "angular_last": self.angular_last}[name]
 
 
+def _unit_rows(hidden: torch.Tensor) -> torch.Tensor:
+    """Rows scaled to unit length in float64, so each span's cosine is one row-wise dot product."""
+    hidden = hidden.double()
+    return hidden / hidden.norm(dim=-1, keepdim=True).clamp(min=1e-30)
+
+
 class SpanStatistics:
     """Observer: distances of all spans up to ``max_length`` and normal equations at ``fit_length``."""
 
-    def __init__(self, num_layers: int, max_length: int, fit_length: int | None = None, min_start: int = 1):
+    def __init__(
+        self,
+        num_layers: int,
+        max_length: int,
+        fit_length: int | None = None,
+        min_start: int = 1,
+        starts: list[int] | None = None,
+        inputs: Literal["contribution", "down_out"] = "contribution",
+    ):
+        """``starts`` restricts the normal equations to some spans; ``inputs="down_out"`` regresses on
+        the down-projection output before a post-MLP norm instead of the MLP contribution."""
         self.num_layers = num_layers
         self.max_length = max_length
         self.fit_length = fit_length
         self.min_start = min_start
-        self.last_layer = num_layers - 1
+        self.inputs = inputs
         shape = (num_layers + 1, max_length + 1)
         self.angular_all = np.zeros(shape)
         self.angular_last = np.zeros(shape)
         self.cosine_all = np.zeros(shape)
         self.tokens = 0
         self.sequences = 0
-        self.fit_starts = list(range(min_start, num_layers - fit_length + 1)) if fit_length else []
+        self.fit_starts = (starts if starts is not None else list(range(min_start, num_layers - fit_length + 1))) if fit_length else []
+        # without distances, the pass can stop after the deepest span it fits
+        self.last_layer = num_layers - 1 if max_length else max(self.fit_starts) + fit_length - 1
         self._xtx: dict[int, torch.Tensor] = {}
         self._xty: dict[int, torch.Tensor] = {}
         self._yty = {i: 0.0 for i in self.fit_starts}
@@ -79,39 +102,47 @@ class SpanStatistics:
         self._hidden: dict[int, torch.Tensor] = {}
         self._x: dict[int, torch.Tensor] = {}
         self._attn: dict[int, torch.Tensor] = {}
+        self._contribution: dict[int, torch.Tensor] = {}
 
     # -- streaming ------------------------------------------------------------------------
     def on_layer(self, acts: LayerActivations) -> None:
         j = acts.index
         if j == 0:
-            self._hidden[0] = acts.block_in
+            self._hidden[0] = _unit_rows(acts.block_in)
             self.tokens += acts.block_in.shape[0]
             self.sequences += acts.last_token.numel()
         current = acts.block_out
-        self._hidden[j + 1] = current
+        self._hidden[j + 1] = unit = _unit_rows(current)
         for length in range(1, self.max_length + 1):
             start = j + 1 - length
             if start >= 0:
-                self._add_distance(start, length, self._hidden[start], current, acts.last_token)
+                self._add_distance(start, length, self._hidden[start], unit, acts.last_token)
         if (j + 1) in self._yty:  # block j precedes a candidate span starting at j + 1
-            x = acts.mlp_contribution.double()
-            self._x[j], self._attn[j] = x, acts.block_out.double() - x  # residual after attention, in float64
+            contribution = acts.mlp_contribution.double()
+            x = acts.down_out.double() if self.inputs == "down_out" else contribution
+            self._x[j], self._attn[j] = x, acts.block_out.double() - contribution  # residual after attention
+            self._contribution[j] = contribution
             self._accumulate(self._xtx, j + 1, x.T @ x)
         start = j + 1 - (self.fit_length or 0)
         if self.fit_length and start in self._yty:
             x, y = self._x.pop(start - 1), current.double() - self._attn.pop(start - 1)
+            contribution = self._contribution.pop(start - 1)
             self._accumulate(self._xty, start, x.T @ y)
             self._yty[start] += float((y * y).sum())
-            self._identity_error[start] += float(((x - y) ** 2).sum())
-        self._hidden.pop(j + 1 - self.max_length, None)
+            self._identity_error[start] += float(((contribution - y) ** 2).sum())
+        if self.max_length:
+            self._hidden.pop(j + 1 - self.max_length, None)
+        else:
+            self._hidden.clear()
 
     def end_batch(self) -> None:
         self._hidden.clear()
         self._x.clear()
         self._attn.clear()
+        self._contribution.clear()
 
     def _add_distance(self, start, length, before, after, last_token) -> None:
-        cos = torch.nn.functional.cosine_similarity(before.double(), after.double(), dim=-1).clamp(-1, 1)
+        cos = (before * after).sum(-1).clamp(-1, 1)
         angle = torch.arccos(cos) / math.pi
         self.angular_all[start, length] += float(angle.sum())
         self.cosine_all[start, length] += float(cos.sum())
