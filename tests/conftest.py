@@ -7,7 +7,9 @@ import importlib.util
 import os
 from pathlib import Path
 
-import pytest
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach for a hub
+
+import pytest  # noqa: E402
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (

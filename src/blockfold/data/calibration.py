@@ -142,10 +142,11 @@ def _pack(texts: list[str], config: CalibrationConfig, tokenizer) -> list[torch.
     return [ids[i * length : (i + 1) * length] for i in range(count)]
 
 
-def _per_example(texts: list[str], config: CalibrationConfig, tokenizer) -> list[torch.Tensor]:
+def _per_example(texts: list[str], config: CalibrationConfig, tokenizer, templated: bool) -> list[torch.Tensor]:
     sequences = []
     for text in texts:
-        ids = tokenizer(text, return_tensors="pt").input_ids[0][: config.sequence_length]
+        # a chat template already writes the special tokens; adding them again would double BOS
+        ids = tokenizer(text, return_tensors="pt", add_special_tokens=not templated).input_ids[0][: config.sequence_length]
         if len(ids) >= 2:
             sequences.append(ids)
         if len(sequences) == config.num_sequences:
@@ -200,11 +201,11 @@ def build_calibration(
         if not texts:
             raise BlockfoldError(f"calibration source {config.source} contains no text: give a non-empty file")
         instruction_like = any(is_instruction for _, is_instruction in rendered)
+        templated = instruction_like and config.use_chat_template and bool(getattr(tokenizer, "chat_template", None))
         pack = config.packing if config.packing is not None else not instruction_like
-        sequences = _pack(texts, config, tokenizer) if pack else _per_example(texts, config, tokenizer)
+        sequences = _pack(texts, config, tokenizer) if pack else _per_example(texts, config, tokenizer, templated)
         description = {"source": str(config.source), "documents": len(texts), "packed": pack,
-                       "chat_template": instruction_like and config.use_chat_template
-                       and bool(getattr(tokenizer, "chat_template", None))}
+                       "chat_template": templated}
         texts_hash = _fingerprint(texts)
     batches = batch_sequences(sequences, config.batch_size, _pad_id(tokenizer), config.padding_side)
     calibration = CalibrationSet(batches)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Callable, Literal
 
 import torch
+from tqdm.auto import tqdm
 
 from blockfold.recipe import CosineConfig
 from blockfold.stats import SpanRows
@@ -44,16 +45,20 @@ def fit_numerically(
         line_search_fn="strong_wolfe", tolerance_grad=1e-9, tolerance_change=1e-12,
     )
 
+    progress = tqdm(desc=f"fitting ({objective})", unit="eval", leave=False)
+
     def closure():
         optimizer.zero_grad()
         loss = span_loss(rows, transform, contribution, objective)
         loss.backward()
+        progress.update(1)
         return loss
 
     with torch.no_grad():
         initial = float(span_loss(rows, transform, contribution, objective))
     with torch.enable_grad():
         optimizer.step(closure)
+    progress.close()
     with torch.no_grad():
         final = float(span_loss(rows, transform, contribution, objective))
     info = {"objective": objective, "sample_tokens": rows.x.shape[0], "loss_start": initial, "loss_end": final}

@@ -1,0 +1,90 @@
+"""Calibration sources → token batches."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import tiny_model, tiny_tokenizer
+
+from blockfold.data import build_calibration
+from blockfold.errors import BlockfoldError
+from blockfold.recipe import CalibrationConfig
+
+CHAT_TEMPLATE = "{% for m in messages %}<bos> {{ m['role'] }} {{ m['content'] }} <eos> {% endfor %}"
+
+
+def _words(n, offset=0):
+    return " ".join(f"w{(i + offset) % 90}" for i in range(n))
+
+
+def test_plain_text_is_packed_into_full_sequences(tmp_path):
+    path = tmp_path / "docs.jsonl"
+    path.write_text("\n".join(json.dumps({"text": _words(50, k)}) for k in range(10)))
+    calibration = build_calibration(CalibrationConfig(source=str(path), num_sequences=5, sequence_length=32,
+                                                      batch_size=2), tiny_tokenizer())
+    assert calibration.description["packed"] and calibration.description["sequences"] == 5
+    assert [b.input_ids.shape for b in calibration] == [(2, 32), (2, 32), (1, 32)]
+    assert all(bool(b.attention_mask.all()) for b in calibration), "packed sequences contain no padding"
+    assert calibration.num_tokens == 5 * 32
+
+
+def test_max_documents_limits_the_source(tmp_path):
+    path = tmp_path / "docs.txt"
+    path.write_text(_words(400))
+    config = CalibrationConfig(source=str(path), num_sequences=100, sequence_length=32)
+    with pytest.warns(UserWarning, match="only 12 sequences"):
+        calibration = build_calibration(config, tiny_tokenizer())
+    assert len(calibration.batches[0].input_ids[0]) == 32
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_instruction_data_uses_chat_template_one_example_per_padded_sequence(tmp_path, side):
+    path = tmp_path / "alpaca.json"
+    records = [{"instruction": _words(3), "input": _words(2, 5) if k % 2 else "", "output": _words(4 + k, 9)}
+               for k in range(4)]
+    path.write_text(json.dumps(records))
+    tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = CHAT_TEMPLATE
+    config = CalibrationConfig(source=str(path), num_sequences=4, sequence_length=64, padding_side=side)
+    calibration = build_calibration(config, tokenizer)
+    assert not calibration.description["packed"] and calibration.description["chat_template"]
+    batch = calibration.batches[0]
+    lengths = batch.attention_mask.sum(-1)
+    assert len(set(lengths.tolist())) > 1, "examples keep their own lengths"
+    row = batch.input_ids[0][batch.attention_mask[0].bool()]
+    # rendered by the template (two messages), and special tokens not added a second time
+    assert row.tolist().count(tokenizer.bos_token_id) == 2 and row[0] == tokenizer.bos_token_id
+    assert row.tolist().count(tokenizer.eos_token_id) == 2
+    padded_end = batch.attention_mask[:, -1] if side == "left" else batch.attention_mask[:, 0]
+    assert bool(padded_end.all()), f"{side} padding keeps real tokens at the {side == 'left' and 'end' or 'start'}"
+    assert torch.equal(batch.position_ids[0][batch.attention_mask[0].bool()], torch.arange(int(lengths[0])))
+
+
+def test_dolly_records_and_text_field(tmp_path):
+    dolly = tmp_path / "dolly.jsonl"
+    dolly.write_text("\n".join(json.dumps({"prompt": _words(3), "answer": _words(5)}) for _ in range(3)))
+    calibration = build_calibration(CalibrationConfig(source=str(dolly), num_sequences=3, sequence_length=32),
+                                    tiny_tokenizer())
+    assert calibration.description["sequences"] == 3 and not calibration.description["packed"]
+    custom = tmp_path / "custom.jsonl"
+    custom.write_text("\n".join(json.dumps({"body": _words(40)}) for _ in range(3)))
+    with pytest.raises(BlockfoldError, match="--text-field"):
+        build_calibration(CalibrationConfig(source=str(custom), sequence_length=16), tiny_tokenizer())
+    config = CalibrationConfig(source=str(custom), num_sequences=2, sequence_length=16, text_field="body")
+    assert build_calibration(config, tiny_tokenizer()).description["sequences"] == 2
+
+
+def test_self_generated_calibration():
+    model = tiny_model("llama")
+    config = CalibrationConfig(source=None, num_sequences=3, sequence_length=12, batch_size=2, seed=7)
+    first = build_calibration(config, tiny_tokenizer(), model)
+    assert first.description["source"] == "self-generated" and first.num_tokens == 3 * 12
+    again = build_calibration(config, tiny_tokenizer(), model)
+    assert torch.equal(first.batches[0].input_ids, again.batches[0].input_ids), "seeded generation repeats"
+
+
+def test_unreachable_dataset_name_gives_clear_error():
+    with pytest.raises(BlockfoldError, match="neither a file nor a reachable dataset"):
+        build_calibration(CalibrationConfig(source="no-such-org/no-such-dataset-xyz"), tiny_tokenizer())
