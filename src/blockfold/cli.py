@@ -19,6 +19,7 @@ DEFAULT_PPL_TEXT = DATA_DIR / "wikitext2_test.txt"
 RECIPE_FLAGS = {
     "method": "method", "blocks": "blocks", "ratio": "ratio", "estimator": "estimator",
     "ridge_alpha": "ridge_alpha", "criterion": "criterion", "span_start": "span_start",
+    "sandwich_fold": "sandwich_fold",
     "calib": "calibration.source", "num_seqs": "calibration.num_sequences",
     "seq_len": "calibration.sequence_length", "calib_docs": "calibration.max_documents",
     "text_field": "calibration.text_field", "batch_size": "calibration.batch_size",
@@ -40,6 +41,8 @@ def _add_compress(sub) -> None:
     p.add_argument("--span-start", type=int, help="remove the span starting at this block instead of selecting one")
     p.add_argument("--ridge-alpha", type=float)
     p.add_argument("--criterion", choices=["angular_last", "angular_all"])
+    p.add_argument("--sandwich-fold", choices=["auto", "linearized-norm", "through-norm"],
+                   help="Gemma-style post-MLP norms: how to fold the map (default: the better on calibration)")
     p.add_argument("--calib", help="calibration .txt/.jsonl/.json or dataset name; omit for self-generated text")
     p.add_argument("--num-seqs", type=int, help="calibration sequences (default 64)")
     p.add_argument("--seq-len", type=int, help="calibration sequence length (default 512)")
@@ -132,6 +135,7 @@ def cmd_compress(args) -> int:
         ("parameters", f"{manifest['original_parameters'] / 1e6:.1f}M -> {manifest['parameters'] / 1e6:.1f}M "
                        f"({manifest['parameters'] / manifest['original_parameters']:.3f}x)"),
         (f"selection ({manifest['selection']['criterion']})", f"{manifest['selection']['score']:.4f}"),
+        ("best candidates (start: distance / lstsq error)", _candidates(manifest["selection"])),
         ("relative fit error", f"{fit['relative_fit_error']:.4f} (plain removal {fit['relative_error_plain_removal']:.4f})"),
         ("calibration", f"{manifest['calibration']['source']}: {manifest['calibration']['sequences']} seqs, "
                         f"{manifest['calibration']['tokens']} tokens"),
@@ -149,6 +153,13 @@ def cmd_compress(args) -> int:
     rows.append(("saved", str(out)))
     _print_table(rows, "blockfold compress")
     return 0
+
+
+def _candidates(selection: dict, count: int = 5) -> str:
+    """The ``count`` lowest-distance span starts; every candidate is in the manifest."""
+    ranked = sorted(selection["candidates"].items(), key=lambda item: item[1])[:count]
+    errors = selection["lstsq_relative_error_per_candidate"]
+    return ", ".join(f"{start}: {score:.3f} / {errors[start]:.3f}" for start, score in ranked)
 
 
 def _span(blocks: list[int]) -> str:

@@ -61,6 +61,8 @@ class Recipe(_Strict):
     span_start: int | None = Field(None, ge=1)
     ridge_alpha: float = Field(0.0, ge=0)
     criterion: Literal["angular_last", "angular_all"] = "angular_last"
+    # Blocks with a norm after the MLP (Gemma): which foldable form of the map to use (docs/gemma.md).
+    sandwich_fold: Literal["auto", "linearized-norm", "through-norm"] = "auto"
     calibration: CalibrationConfig = Field(default_factory=CalibrationConfig)
     cosine: CosineConfig = Field(default_factory=CosineConfig)
 

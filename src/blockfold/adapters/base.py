@@ -64,6 +64,14 @@ class DecoderAdapter:
         """The norm between the down-projection and the residual add, if the block has one."""
         return getattr(layer, self.post_mlp_norm) if self.post_mlp_norm else None
 
+    def input_norm(self, layer: nn.Module) -> nn.Module:
+        """The norm whose output the attention sublayer reads."""
+        return getattr(layer, self.input_norm_attr)
+
+    def attention_contribution_module(self, layer: nn.Module) -> nn.Module:
+        """The module whose output (first element) is exactly what attention adds to the residual."""
+        return getattr(layer, self.post_attention_norm) if self.post_attention_norm else self.attention(layer)
+
     def mlp_contribution_module(self, layer: nn.Module) -> nn.Module:
         """The module whose output is exactly what the MLP half adds to the residual stream."""
         return self.mlp_norm(layer) or self.mlp(layer)

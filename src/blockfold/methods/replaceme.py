@@ -92,7 +92,7 @@ def _fit_sandwich(model, adapter: DecoderAdapter, recipe, calibration, start, le
     with torch.no_grad():
         losses = {"linearized-norm": float(span_loss(rows, linear.float(), linear_contribution, objective)),
                   "through-norm": float(span_loss(rows, through.float(), through_norm, objective))}
-    regime = min(losses, key=losses.get)
+    regime = min(losses, key=losses.get) if recipe.sandwich_fold == "auto" else recipe.sandwich_fold
     info.update({"regime": regime, "sample_loss_per_regime": losses, "objective": objective,
                  "linearized_norm": linear_info, "through_norm": through_info})
     if regime == "linearized-norm":
