@@ -201,3 +201,24 @@ def test_sandwich_fit_records_both_regimes_and_never_worse_than_either(estimator
     losses = fit["sample_loss_per_regime"]
     assert fit["regime"] == min(losses, key=losses.get)
     assert fit["through_norm"]["loss_end"] <= fit["through_norm"]["loss_start"] + 1e-6
+
+
+def test_attention_capture_decomposes_each_block(arch):
+    """With attention captured, block_in + attention + MLP contributions == block_out, token by token."""
+    model = tiny_model(arch)
+    adapter = get_adapter(model)
+    seen = []
+
+    class _Check:
+        last_layer, needs_attention = 5, True
+
+        def on_layer(self, acts):
+            rebuilt = acts.block_in + acts.attn_contribution + acts.mlp_contribution
+            seen.append(float((rebuilt - acts.block_out).abs().max() / acts.block_out.abs().max()))
+            assert acts.attn_input.shape == acts.block_in.shape
+
+        def end_batch(self):
+            pass
+
+    stream_activations(model, adapter, random_calibration(num_sequences=4), [_Check()])
+    assert len(seen) == 6 and max(seen) < 1e-5

@@ -32,6 +32,9 @@ class LayerActivations:
     mlp_contribution: torch.Tensor  # exactly what the MLP half adds to the residual stream
     down_out: torch.Tensor | None  # down_proj output before a post-MLP norm (sandwich blocks only)
     last_token: torch.Tensor  # row index of each sequence's last real token
+    # captured only when an observer sets ``needs_attention``:
+    attn_input: torch.Tensor | None = None  # the normalised hidden state the attention reads
+    attn_contribution: torch.Tensor | None = None  # exactly what the attention half adds to the residual
 
     @property
     def attn_residual(self) -> torch.Tensor:
@@ -42,6 +45,8 @@ class LayerActivations:
 class Observer(Protocol):
     #: deepest layer index whose activations the observer reads
     last_layer: int
+    #: optional attribute: True to also capture the attention sublayer's input and contribution
+    #: needs_attention: bool
 
     def on_layer(self, acts: LayerActivations) -> None: ...
 
@@ -92,6 +97,8 @@ def stream_activations(
                 mlp_contribution=state.pop("mlp"),
                 down_out=state.pop("down", None),
                 last_token=state["last_token"],
+                attn_input=state.pop("attn_in", None),
+                attn_contribution=state.pop("attn", None),
             )
             for obs in observers:
                 if index <= obs.last_layer:
@@ -102,9 +109,13 @@ def stream_activations(
 
         return hook
 
+    needs_attention = any(getattr(obs, "needs_attention", False) for obs in observers)
     handles = [layers[0].register_forward_pre_hook(capture_input, with_kwargs=True)]
     for index, layer in enumerate(layers[: last_layer + 1]):
         handles.append(adapter.mlp_contribution_module(layer).register_forward_hook(capture("mlp")))
+        if needs_attention:
+            handles.append(adapter.input_norm(layer).register_forward_hook(capture("attn_in")))
+            handles.append(adapter.attention_contribution_module(layer).register_forward_hook(capture("attn")))
         if not adapter.folds_exactly:
             handles.append(adapter.down_proj(layer).register_forward_hook(capture("down")))
         handles.append(layer.register_forward_hook(finish_layer(index)))

@@ -1,0 +1,84 @@
+"""How replaceable a sublayer is by a linear map, from its ``LinearStatistics``; lower is more linear.
+
+* ``cca``: NBL's bound ``Σᵢ (1 − ρᵢ²)`` over the canonical correlations ρ of input and contribution.
+  It is the LMMSE error of predicting the *whitened* contribution, so every output direction counts
+  equally, however little variance it carries; it lies in ``[0, d_out]``. The registry uses the sum
+  (the paper's form); ``per_dimension=True`` divides by ``d_out`` to compare models of other widths.
+  Ranking the layers of one model is the same either way.
+* ``nmse``: the relative error of the LMMSE map itself, ``Tr(C_yy − C_yx C_xx⁻¹ C_xy) / Tr C_yy``,
+  which weights directions by their variance.
+* ``cosine``: DROP's ``1 − mean cos(residual before, residual after)``: how little the sublayer turns
+  the residual stream, i.e. how well plain removal would do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+
+import torch
+
+from blockfold.errors import BlockfoldError
+from blockfold.estimate.lmmse import fit_lmmse
+from blockfold.stats.linearity import LinearStatistics
+
+#: covariance eigenvalues below this fraction of the largest are raised to it before whitening.
+#: Such directions are below what float32 activations resolve (rounding alone is ~1e-15 of the
+#: largest variance); raising them keeps noise from being whitened into spurious correlations, and
+#: they then count as unexplained, so a degenerate layer errs towards looking nonlinear.
+WHITENING_FLOOR = 1e-12
+
+
+def _inverse_sqrt(cov: torch.Tensor) -> torch.Tensor:
+    eigenvalues, vectors = torch.linalg.eigh(cov)
+    eigenvalues = eigenvalues.clamp(min=WHITENING_FLOOR * float(eigenvalues[-1]))
+    return (vectors * eigenvalues.rsqrt()) @ vectors.T
+
+
+def canonical_correlations(stats: LinearStatistics) -> torch.Tensor:
+    """ρ: the singular values of ``C_yy^-½ C_yx C_xx^-½``, descending, in [0, 1]."""
+    whitened = _inverse_sqrt(stats.cov_yy) @ stats.cov_yx @ _inverse_sqrt(stats.cov_xx)
+    return torch.linalg.svdvals(whitened).clamp(max=1.0)  # rounding can put ρ a hair above 1
+
+
+def cca_bound(stats: LinearStatistics, per_dimension: bool = False) -> float:
+    """``Σᵢ (1 − ρᵢ²)`` over the ``d_out`` output directions (ρᵢ = 0 beyond ``min(d_in, d_out)``)."""
+    d_out = stats.cov_yy.shape[0]
+    bound = d_out - float((canonical_correlations(stats) ** 2).sum())
+    return bound / d_out if per_dimension else bound
+
+
+def nmse(stats: LinearStatistics) -> float:
+    return fit_lmmse(stats)[2]["nmse"]
+
+
+def cosine_distance(stats: LinearStatistics) -> float:
+    return 1.0 - stats.mean_cosine
+
+
+LINEARITY_CRITERIA: dict[str, Callable[[LinearStatistics], float]] = {
+    "cca": cca_bound,
+    "nmse": nmse,
+    "cosine": cosine_distance,
+}
+
+
+def score_layers(statistics: list[LinearStatistics], criterion: str) -> list[float]:
+    """Every layer's score under ``criterion`` (lower is more linear)."""
+    if criterion not in LINEARITY_CRITERIA:
+        raise BlockfoldError(
+            f"unknown linearity criterion {criterion!r}: use one of {', '.join(LINEARITY_CRITERIA)}"
+        )
+    return [LINEARITY_CRITERIA[criterion](stats) for stats in statistics]
+
+
+def rank_layers(
+    statistics: list[LinearStatistics], criterion: str, k: int, exclude: Collection[int] = frozenset()
+) -> list[int]:
+    """The ``k`` layers outside ``exclude`` with the lowest score, most linear first."""
+    scores = score_layers(statistics, criterion)
+    candidates = [index for index in range(len(statistics)) if index not in exclude]
+    if not 1 <= k <= len(candidates):
+        raise BlockfoldError(
+            f"cannot pick {k} layers from {len(candidates)} candidates: use k in 1..{len(candidates)}"
+        )
+    return sorted(candidates, key=scores.__getitem__)[:k]

@@ -1,0 +1,125 @@
+"""First and second moments of what a sublayer reads and adds, per layer, for Neural Block
+Linearization (NBL): replace a sublayer by the linear map that best predicts its output from its input.
+
+For each layer the observer pairs an input ``x`` with a contribution ``y``:
+
+* ``target="attention"``: ``x`` is the normalised hidden state the attention reads, ``y`` what the
+  attention adds to the residual stream (after a post-attention norm, where the block has one);
+* ``target="block"``: ``x`` is the residual stream entering the block, ``y = block_out - block_in``.
+
+``y`` is the contribution, never the residual after it (``x + y`` for blocks): the residual contains
+``x`` itself, so its canonical correlations with ``x`` would be near 1 for every layer and rank
+nothing. The replacement is ``residual + x Wᵀ + b`` either way, so nothing is lost by this choice.
+
+Alongside, the mean cosine similarity between the residual stream before and after the sublayer
+(``block_in`` vs ``block_in + y``) is kept for the DROP criterion.
+
+Numerics: raw sums (count, Σx, Σy, ΣxxT, ΣyyT, ΣyxT) are accumulated in float64 and centred only in
+``finalize`` as ``E[xyᵀ] − μ_x μ_yᵀ``. Raw sums make shards merge by plain addition; the cancellation
+costs about log10(μ²/σ²) of float64's ~16 digits, far more than the float32 activations carry.
+Memory is three (d, d) float64 matrices per layer, on the model's device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+from blockfold.errors import BlockfoldError
+from blockfold.stats.engine import LayerActivations
+
+TARGETS = ("attention", "block")
+
+
+@dataclass
+class LinearStatistics:
+    """Means and centred (1/n) covariances of one layer's input ``x`` and contribution ``y``, float64."""
+
+    mean_x: torch.Tensor  # (d_in,)
+    mean_y: torch.Tensor  # (d_out,)
+    cov_xx: torch.Tensor  # (d_in, d_in)
+    cov_yy: torch.Tensor  # (d_out, d_out)
+    cov_yx: torch.Tensor  # (d_out, d_in)
+    tokens: int
+    mean_cosine: float  # mean cosine between the residual stream before and after the sublayer
+
+    def relative_residual(self, weight: torch.Tensor) -> float:
+        """``E‖y − ŷ‖² / Tr C_yy`` of ``ŷ = W x + b`` with the best ``b``, from the moments alone."""
+        w = weight.double()
+        total = self.cov_yy.trace()
+        error = total - 2 * (w * self.cov_yx).sum() + (w * (w @ self.cov_xx)).sum()
+        return float(error / total)
+
+
+class SublayerLinearity:
+    """Observer: per-layer moments of (sublayer input, sublayer contribution) for every layer."""
+
+    def __init__(self, num_layers: int, target: Literal["attention", "block"]):
+        if target not in TARGETS:
+            raise BlockfoldError(f"unknown linearity target {target!r}: use one of {', '.join(TARGETS)}")
+        self.num_layers = num_layers
+        self.target = target
+        self.last_layer = num_layers - 1
+        self.needs_attention = target == "attention"
+        self.tokens = [0] * num_layers
+        self.cosine_sum = [0.0] * num_layers
+        self._sums: list[dict[str, torch.Tensor]] = [{} for _ in range(num_layers)]
+
+    # -- streaming ------------------------------------------------------------------------
+    def on_layer(self, acts: LayerActivations) -> None:
+        residual = acts.block_in.double()
+        if self.target == "attention":
+            x, y = acts.attn_input.double(), acts.attn_contribution.double()
+        else:
+            x, y = residual, acts.block_out.double() - residual
+        index = acts.index
+        self.tokens[index] += x.shape[0]
+        self.cosine_sum[index] += float(F.cosine_similarity(residual, residual + y, dim=-1).sum())
+        self._add(index, {"x": x.sum(0), "y": y.sum(0), "xx": x.T @ x, "yy": y.T @ y, "yx": y.T @ x})
+
+    def end_batch(self) -> None:
+        """Nothing is carried from one layer to the next."""
+
+    def _add(self, index: int, sums: dict[str, torch.Tensor]) -> None:
+        store = self._sums[index]
+        for name, value in sums.items():
+            if name in store:
+                store[name] += value
+            else:
+                store[name] = value.clone()
+
+    # -- combining and reading ------------------------------------------------------------
+    def merge(self, other: "SublayerLinearity") -> "SublayerLinearity":
+        """Add another shard's sums (same model, same target) into this one."""
+        if (other.num_layers, other.target) != (self.num_layers, self.target):
+            raise BlockfoldError(
+                f"cannot merge {other.target} statistics of {other.num_layers} layers into "
+                f"{self.target} statistics of {self.num_layers} layers: merge shards of one pass only"
+            )
+        for index in range(self.num_layers):
+            self.tokens[index] += other.tokens[index]
+            self.cosine_sum[index] += other.cosine_sum[index]
+            self._add(index, other._sums[index])
+        return self
+
+    def finalize(self) -> list[LinearStatistics]:
+        return [self._layer_statistics(index) for index in range(self.num_layers)]
+
+    def _layer_statistics(self, index: int) -> LinearStatistics:
+        n = self.tokens[index]
+        if n == 0:
+            raise BlockfoldError(f"layer {index} saw no calibration tokens: stream some batches before finalize")
+        moment = {name: value / n for name, value in self._sums[index].items()}
+        mean_x, mean_y = moment["x"], moment["y"]
+        return LinearStatistics(
+            mean_x=mean_x,
+            mean_y=mean_y,
+            cov_xx=moment["xx"] - torch.outer(mean_x, mean_x),
+            cov_yy=moment["yy"] - torch.outer(mean_y, mean_y),
+            cov_yx=moment["yx"] - torch.outer(mean_y, mean_x),
+            tokens=n,
+            mean_cosine=self.cosine_sum[index] / n,
+        )
