@@ -95,10 +95,16 @@ def _gemma():
 
 def test_gemma3_compress_reload_generate(tmp_path):
     gemma = _gemma()
-    config, calibration, windows = _setup(gemma, num_sequences=8, sequence_length=256, windows=3)
+    # 16k tokens: with only a few thousand, a 640×640 map overfits and can lose to plain removal
+    config, calibration, windows = _setup(gemma, num_sequences=32, sequence_length=512, windows=4)
     original = perplexity(gemma.model, windows)["perplexity"]
-    plain, _ = _compressed_ppl(gemma, Recipe(blocks=2, estimator="identity", calibration=config), calibration, windows)
-    fitted, result = _compressed_ppl(gemma, Recipe(blocks=2, calibration=config, cosine={"steps": 20}), calibration, windows)
-    assert result.model.config.num_hidden_layers == 16 and len(result.model.config.layer_types) == 16
-    assert original < fitted < plain, (original, fitted, plain)
+    fitted, result = _compressed_ppl(gemma, Recipe(blocks=4, calibration=config, cosine={"steps": 20}), calibration, windows)
+    blocks = result.manifest["removed_blocks"]
+    assert result.model.config.num_hidden_layers == 14 and len(result.model.config.layer_types) == 14
+    assert result.model.config.layer_types == [t for i, t in enumerate(gemma.model.config.layer_types) if i not in blocks]
+    plain_model = copy.deepcopy(gemma.model)
+    remove_blocks(plain_model, get_adapter(plain_model), blocks)
+    plain = perplexity(plain_model, windows)["perplexity"]
+    # on 40 windows with 64 × 512 tokens: 62.1 original, 266.7 folded, 8288 plain removal
+    assert original < fitted < 0.2 * plain, (original, fitted, plain)
     _assert_reloads_and_generates_same(result.model, gemma.tokenizer, result.manifest, tmp_path)
