@@ -8,7 +8,7 @@ span → delete the span.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -30,7 +30,6 @@ class FittedMap:
     # or "through-norm" (B before the norm, fitted with the norm in the loop)
     regime: str = "exact"
     output_max_rms: float = 0.0
-    extra: dict = field(default_factory=dict)
 
 
 def _numerical(recipe: Recipe) -> tuple[bool, str]:
