@@ -169,3 +169,12 @@ def test_saved_output_reloads_without_blockfold_and_generates_same_tokens(arch, 
     completed = subprocess.run([sys.executable, "-c", RELOAD_SCRIPT, str(out), json.dumps(ids)],
                                capture_output=True, text=True, check=True)
     assert json.loads(completed.stdout.strip().splitlines()[-1]) == expected.tolist()
+
+
+@pytest.mark.parametrize("method", ["uidl", "drop-block"])
+def test_baseline_methods_through_the_cli(capsys, tiny_folder, corpus, tmp_path, method):
+    out = tmp_path / method
+    assert main(_compress_args(tiny_folder, corpus, out, "--method", method, "--blocks", "2")) == 0
+    assert method in capsys.readouterr().out
+    manifest = json.loads((out / MANIFEST_NAME).read_text())
+    assert manifest["method"] == method and len(manifest["removed_blocks"]) == 2 and manifest["num_layers"] == 4

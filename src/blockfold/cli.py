@@ -34,7 +34,7 @@ def _add_compress(sub) -> None:
     p.add_argument("--recipe", help="YAML recipe; flags given here override it")
     p.add_argument("--out", required=True, help="output folder (refused if it exists, unless --overwrite)")
     p.add_argument("--overwrite", action="store_true")
-    p.add_argument("--method")
+    p.add_argument("--method", help="replaceme (default), uidl (best span, no transform), drop-block (DROP)")
     p.add_argument("--blocks", type=int, help="number of blocks to remove")
     p.add_argument("--ratio", type=float, help="share of blocks to remove, instead of --blocks")
     p.add_argument("--estimator", choices=["lstsq", "cosine", "identity"], help="identity = plain removal, no transform")
@@ -127,24 +127,26 @@ def cmd_compress(args) -> int:
         after = perplexity(result.model, windows, description="perplexity (compressed)")
         manifest["perplexity"] = {"text": args.ppl, "original": before, "compressed": after}
     out = save_compressed(result.model, loaded.tokenizer, args.out, manifest, recipe.to_yaml(), args.overwrite)
-    fit = manifest["transform"]
+    selection = manifest["selection"]
     rows = [
         ("model", f"{args.model} ({manifest['architecture']['model_type']})"),
-        ("method / estimator", f"{recipe.method} / {recipe.estimator}"),
+        ("method", recipe.method + (f" / {recipe.estimator}" if recipe.method == "replaceme" else "")),
         ("blocks", f"{manifest['original_num_layers']} -> {manifest['num_layers']} (removed {_span(manifest['removed_blocks'])})"),
         ("parameters", f"{manifest['original_parameters'] / 1e6:.1f}M -> {manifest['parameters'] / 1e6:.1f}M "
                        f"({manifest['parameters'] / manifest['original_parameters']:.3f}x)"),
-        (f"selection ({manifest['selection']['criterion']})", f"{manifest['selection']['score']:.4f}"),
-        ("best candidates (start: distance / lstsq error)", _candidates(manifest["selection"])),
-        ("relative fit error", f"{fit['relative_fit_error']:.4f} (plain removal {fit['relative_error_plain_removal']:.4f})"),
+        (f"selection ({selection['criterion']})", f"{selection['score']:.4f}"),
+        ("best candidates", _candidates(selection)),
         ("calibration", f"{manifest['calibration']['source']}: {manifest['calibration']['sequences']} seqs, "
                         f"{manifest['calibration']['tokens']} tokens"),
         ("compress time", f"{manifest['compress_seconds']:.1f} s (+ {load_seconds:.1f} s loading)"),
     ]
-    if "regime" in fit:
+    fit = manifest.get("transform")
+    if fit:
+        rows.append(("relative fit error", f"{fit['relative_fit_error']:.4f} (plain removal {fit['relative_error_plain_removal']:.4f})"))
+    if fit and "regime" in fit:
         rows.append(("post-MLP norm treatment", f"{fit['regime']} (sample loss "
                      + ", ".join(f"{k} {v:.4f}" for k, v in fit["sample_loss_per_regime"].items()) + ")"))
-    if "numerical_fit" in fit:
+    if fit and "numerical_fit" in fit:
         nf = fit["numerical_fit"]
         rows.append((f"numerical fit ({nf['objective']})", f"loss {nf['loss_start']:.4f} -> {nf['loss_end']:.4f} on {nf['sample_tokens']} tokens"))
     if after is not None:
@@ -156,10 +158,12 @@ def cmd_compress(args) -> int:
 
 
 def _candidates(selection: dict, count: int = 5) -> str:
-    """The ``count`` lowest-distance span starts; every candidate is in the manifest."""
+    """The ``count`` best candidates (span starts or blocks) with their distance, and lstsq error where
+    fitted; every candidate is in the manifest."""
     ranked = sorted(selection["candidates"].items(), key=lambda item: item[1])[:count]
-    errors = selection["lstsq_relative_error_per_candidate"]
-    return ", ".join(f"{start}: {score:.3f} / {errors[start]:.3f}" for start, score in ranked)
+    errors = selection.get("lstsq_relative_error_per_candidate", {})
+    return ", ".join(f"{key}: {score:.3f}" + (f" / lstsq {errors[key]:.3f}" if key in errors else "")
+                     for key, score in ranked)
 
 
 def _span(blocks: list[int]) -> str:
