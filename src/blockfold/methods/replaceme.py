@@ -32,10 +32,6 @@ class FittedMap:
     output_max_rms: float = 0.0
 
 
-def _numerical(recipe: Recipe) -> tuple[bool, str]:
-    return recipe.estimator == "cosine", "cosine" if recipe.estimator == "cosine" else "mse"
-
-
 def _fit_prenorm(model, adapter, recipe, calibration, start, length, equations: NormalEquations) -> FittedMap:
     """Pre-norm blocks: T acts on the MLP contribution and folds into down_proj exactly."""
     transform, info = fit_lstsq(equations, recipe.ridge_alpha)
@@ -71,14 +67,14 @@ def _fit_sandwich(model, adapter: DecoderAdapter, recipe, calibration, start, le
     stream_activations(model, adapter, calibration, [sample, z_statistics], description="sampling span rows")
     rows = sample.rows()
     z_equations = z_statistics.finalize().normal_equations[start]
-    numerical, objective = _numerical(recipe)
+    objective = "cosine" if recipe.estimator == "cosine" else "mse"
 
     post_norm_transform, info = fit_lstsq(equations, recipe.ridge_alpha)
     info = {"estimator": recipe.estimator, "post_norm_space_relative_error": info["relative_fit_error"],
             "relative_error_plain_removal": info["relative_error_plain_removal"], "tokens": info["tokens"]}
 
     linear, linear_info = fit_lstsq(z_equations, recipe.ridge_alpha)
-    if numerical:
+    if objective == "cosine":
         linear, linear_info["numerical_fit"] = fit_numerically(rows, linear, recipe.cosine, objective)
     linear_info["relative_fit_error"] = z_equations.relative_residual(linear)
 
@@ -90,7 +86,7 @@ def _fit_sandwich(model, adapter: DecoderAdapter, recipe, calibration, start, le
 
     with torch.no_grad():
         losses = {"linearized-norm": float(span_loss(rows, linear.float(), linear_contribution, objective)),
-                  "through-norm": float(span_loss(rows, through.float(), through_norm, objective))}
+                  "through-norm": through_info["loss_end"]}
     regime = min(losses, key=losses.get) if recipe.sandwich_fold == "auto" else recipe.sandwich_fold
     info.update({"regime": regime, "sample_loss_per_regime": losses, "objective": objective,
                  "linearized_norm": linear_info, "through_norm": through_info})
@@ -98,7 +94,8 @@ def _fit_sandwich(model, adapter: DecoderAdapter, recipe, calibration, start, le
         info["relative_fit_error"] = linear_info["relative_fit_error"]
         output_rms = float((rows.x.double() @ linear).pow(2).mean(-1).sqrt().max())
         return FittedMap(linear, info, regime, output_rms)
-    info["relative_fit_error"] = losses["through-norm"] if objective == "mse" else through_info["loss_end"]
+    with torch.no_grad():  # relative squared error on the sample, whatever the objective was
+        info["relative_fit_error"] = float(span_loss(rows, through.float(), through_norm, "mse"))
     return FittedMap(through, info, regime)
 
 
@@ -137,7 +134,7 @@ def compress_replaceme(
             "score": choice.score,
             "candidates": choice.candidates,
             "lstsq_relative_error_per_candidate": {
-                start: eq.relative_residual(fit_lstsq(eq, recipe.ridge_alpha, warn=False)[0])
+                start: fit_lstsq(eq, recipe.ridge_alpha, warn=False)[1]["relative_fit_error"]
                 for start, eq in table.normal_equations.items()
             },
             "span_distances": {name: _table(getattr(table, name)) for name in ("angular_last", "angular_all", "cosine_all")},
