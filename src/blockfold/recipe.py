@@ -54,13 +54,19 @@ class CosineConfig(_Strict):
 class Recipe(_Strict):
     recipe_version: Literal[1] = RECIPE_VERSION
     method: str = "replaceme"
+    # budget: blocks for block methods, attention_layers for attention methods (nbl, drop-attn);
+    # ratio is the share of blocks or of attention layers instead
     blocks: int | None = Field(None, ge=1)
+    attention_layers: int | None = Field(None, ge=1)
     ratio: float | None = Field(None, gt=0, lt=1)
     estimator: Literal["lstsq", "cosine", "identity"] = "lstsq"
     # Fix the span's first block instead of selecting it (for studies and reproductions).
     span_start: int | None = Field(None, ge=1)
     ridge_alpha: float = Field(0.0, ge=0)
     criterion: Literal["angular_last", "angular_all"] = "angular_last"
+    # NBL: how linear a sublayer is (select/linearity.py); greedy recomputes statistics after each replacement
+    linearity_criterion: Literal["cca", "nmse", "cosine"] = "cca"
+    greedy: bool = False
     # Blocks with a norm after the MLP (Gemma): which foldable form of the map to use (docs/gemma.md).
     sandwich_fold: Literal["auto", "linearized-norm", "through-norm"] = "auto"
     calibration: CalibrationConfig = Field(default_factory=CalibrationConfig)
@@ -68,15 +74,27 @@ class Recipe(_Strict):
 
     @model_validator(mode="after")
     def _check(self) -> "Recipe":
-        from blockfold.methods import METHODS  # late import: methods import the recipe
+        from blockfold.methods import ATTENTION_METHODS, METHODS  # late import: methods import the recipe
 
         if self.method not in METHODS:
             raise ValueError(f"unknown method {self.method!r}; choose one of {', '.join(sorted(METHODS))}")
-        if self.blocks is None and self.ratio is None:
-            self.blocks = 8
-        if self.blocks is not None and self.ratio is not None:
-            raise ValueError("give either blocks or ratio, not both")
+        budget = "attention_layers" if self.method in ATTENTION_METHODS else "blocks"
+        other = "blocks" if budget == "attention_layers" else "attention_layers"
+        if getattr(self, other) is not None:
+            flag = "--attn" if other == "attention_layers" else "--blocks"
+            raise ValueError(f"{other} ({flag}) does not apply to method {self.method!r}; give {budget} or ratio")
+        if getattr(self, budget) is None and self.ratio is None:
+            setattr(self, budget, 8)
+        if getattr(self, budget) is not None and self.ratio is not None:
+            raise ValueError(f"give either {budget} or ratio, not both")
         return self
+
+    def num_attention_layers_to_replace(self, num_layers: int) -> int:
+        """How many attention sublayers an attention method replaces, validated against the model."""
+        k = self.attention_layers if self.attention_layers is not None else round(self.ratio * num_layers)
+        if k < 1 or k > num_layers:
+            raise BlockfoldError(f"cannot replace {k} of {num_layers} attention layers: use --attn between 1 and {num_layers}")
+        return k
 
     def num_blocks_to_remove(self, num_layers: int) -> int:
         """The span length for a model with ``num_layers`` blocks, validated against it."""

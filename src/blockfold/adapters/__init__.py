@@ -17,17 +17,21 @@ GEMMA_SANDWICH = DecoderAdapter(
     name="gemma (sandwich norms)",
     model_types=("gemma2", "gemma3_text"),
     post_attention_norm="post_attention_layernorm",
+    pre_mlp_norm_attr="pre_feedforward_layernorm",
     post_mlp_norm="post_feedforward_layernorm",
     norm_weight_offset=1.0,
 )
 
+#: model_type → adapter; a checkpoint with linearized sublayers ("blockfold_<base>") shares its base's adapter
 ADAPTERS: dict[str, DecoderAdapter] = {
-    model_type: adapter for adapter in (LLAMA_LIKE, QWEN, GEMMA_SANDWICH) for model_type in adapter.model_types
+    prefix + model_type: adapter
+    for adapter in (LLAMA_LIKE, QWEN, GEMMA_SANDWICH) for model_type in adapter.model_types
+    for prefix in ("", "blockfold_")
 }
 
 
 def supported_model_types() -> list[str]:
-    return sorted(ADAPTERS)
+    return sorted(t for t in ADAPTERS if not t.startswith("blockfold_"))
 
 
 def get_adapter(model_or_config) -> DecoderAdapter:

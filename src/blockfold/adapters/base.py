@@ -32,6 +32,8 @@ class DecoderAdapter:
     mlp_attr: str = "mlp"
     down_proj_attr: str = "down_proj"
     input_norm_attr: str = "input_layernorm"
+    # the norm whose output the MLP reads (Llama names it post_attention_layernorm)
+    pre_mlp_norm_attr: str = "post_attention_layernorm"
     post_attention_norm: str | None = None
     post_mlp_norm: str | None = None
     # Gemma's RMSNorm scales by (1 + weight); Llama's by weight.
@@ -96,3 +98,18 @@ class DecoderAdapter:
 
     def hidden_size(self, model: nn.Module) -> int:
         return model.config.hidden_size
+
+    # -- linear replacements (executed by surgery/modeling_blockfold.py) -----------------------
+    def attention_replacement(self, index: int, replacement: str) -> dict:
+        """Replace the attention sublayer of layer ``index`` by a map of what its input norm outputs
+        to what the sublayer adds to the residual (after a post-attention norm, which goes)."""
+        identity = [self.post_attention_norm] if self.post_attention_norm else []
+        return {"layer": index, "module": self.attention_attr, "replacement": replacement,
+                "identity": identity, "zero": []}
+
+    def block_replacement(self, index: int) -> dict:
+        """Replace the whole block ``index`` by ``h + h Wᵀ + b`` on its residual input ``h``: the
+        attention slot carries the map, every norm becomes the identity, the MLP adds nothing."""
+        norms = [self.input_norm_attr, self.post_attention_norm, self.pre_mlp_norm_attr, self.post_mlp_norm]
+        return {"layer": index, "module": self.attention_attr, "replacement": "linear",
+                "identity": [name for name in norms if name], "zero": [self.mlp_attr]}

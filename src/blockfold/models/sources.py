@@ -21,6 +21,10 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from blockfold.errors import BlockfoldError
+from blockfold.surgery.linearize import register_linearized_classes
+
+# blockfold reads its own linearized checkpoints with its copy of their modeling code (no remote code)
+register_linearized_classes()
 
 
 def cache_dir() -> Path:

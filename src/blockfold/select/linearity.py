@@ -75,8 +75,12 @@ def rank_layers(
     statistics: list[LinearStatistics], criterion: str, k: int, exclude: Collection[int] = frozenset()
 ) -> list[int]:
     """The ``k`` layers outside ``exclude`` with the lowest score, most linear first."""
-    scores = score_layers(statistics, criterion)
-    candidates = [index for index in range(len(statistics)) if index not in exclude]
+    return lowest_scoring(dict(enumerate(score_layers(statistics, criterion))), k, exclude)
+
+
+def lowest_scoring(scores: dict[int, float], k: int, exclude: Collection[int] = frozenset()) -> list[int]:
+    """The ``k`` keys outside ``exclude`` with the lowest score, lowest first."""
+    candidates = [index for index in scores if index not in exclude]
     if not 1 <= k <= len(candidates):
         raise BlockfoldError(
             f"cannot pick {k} layers from {len(candidates)} candidates: use k in 1..{len(candidates)}"

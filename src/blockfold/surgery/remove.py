@@ -6,13 +6,15 @@ from torch import nn
 
 from blockfold.adapters import DecoderAdapter
 from blockfold.errors import BlockfoldError
+from blockfold.surgery.linearize import LINEARIZED_FIELD, renumber_linearized
 
 
 def _per_layer_fields(config, adapter: DecoderAdapter, num_layers: int) -> list[str]:
     """Declared per-layer fields plus any other config list with one entry per layer."""
     fields = [f for f in adapter.per_layer_config_fields if getattr(config, f, None) is not None]
     for name, value in vars(config).items():
-        if isinstance(value, (list, tuple)) and len(value) == num_layers and name not in fields:
+        if (isinstance(value, (list, tuple)) and len(value) == num_layers and name not in fields
+                and name != LINEARIZED_FIELD):
             fields.append(name)
     return fields
 
@@ -32,6 +34,7 @@ def remove_blocks(model: nn.Module, adapter: DecoderAdapter, blocks: list[int]) 
         bound = getattr(config, name, None)
         if isinstance(bound, int):
             setattr(config, name, sum(1 for i in keep if i < bound))
+    renumber_linearized(config, keep)
     setattr(adapter.decoder(model), adapter.layers_attr, nn.ModuleList(layers[i] for i in keep))
     for new_index, layer in enumerate(adapter.layers(model)):
         for module in layer.modules():

@@ -1,0 +1,121 @@
+"""Neural Block Linearization (NBL) and DROP's attention dropping: replace the attention sublayers
+(or whole blocks) that a linear map predicts best by that map, or drop the ones that matter least.
+
+Composition: one streaming pass (per-layer moments of sublayer input and contribution) → score every
+layer by a linearity criterion → keep the k best → LMMSE fit ``y ≈ W x + b`` from the same moments →
+replace (surgery/linearize.py). With ``greedy``, the pass is repeated after each replacement so the
+next choice sees the already-linearized model (the NBL paper's greedy ablation): k passes, not one.
+"""
+
+from __future__ import annotations
+
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from blockfold.adapters import DecoderAdapter, get_adapter
+from blockfold.data import CalibrationSet
+from blockfold.estimate import fit_lmmse
+from blockfold.recipe import Recipe
+from blockfold.select import LINEARITY_CRITERIA, lowest_scoring, score_layers
+from blockfold.stats import LinearStatistics, SublayerLinearity, stream_activations
+from blockfold.surgery import linearized_entries, replace_sublayers
+
+
+def sublayer_statistics(
+    model: PreTrainedModel, adapter: DecoderAdapter, calibration: CalibrationSet, target: str
+) -> list[LinearStatistics]:
+    """One calibration pass: every layer's moments of (input, contribution) of ``target``."""
+    observer = SublayerLinearity(adapter.num_layers(model), target)
+    stream_activations(model, adapter, calibration, [observer], description=f"{target} statistics")
+    return observer.finalize()
+
+
+def all_scores(statistics: list[LinearStatistics]) -> dict[str, dict[int, float]]:
+    """Every layer under every criterion, so a manifest lets users compare criteria after the fact."""
+    return {name: dict(enumerate(score_layers(statistics, name))) for name in LINEARITY_CRITERIA}
+
+
+def linearize(
+    model: PreTrainedModel, adapter: DecoderAdapter, statistics: list[LinearStatistics], layers: list[int],
+    target: str, ridge_alpha: float = 0.0,
+) -> dict[int, dict]:
+    """Replace ``layers``' attention (or whole block, ``target="block"``) by their LMMSE maps; returns fit infos."""
+    maps, fits = {}, {}
+    for layer in layers:
+        weight, bias, info = fit_lmmse(statistics[layer], ridge_alpha)
+        maps[layer] = (weight, bias)
+        fits[layer] = info
+    entries = [adapter.attention_replacement(layer, "linear") if target == "attention" else adapter.block_replacement(layer)
+               for layer in layers]
+    replace_sublayers(model, adapter, entries, maps)
+    return fits
+
+
+def drop_attention(model: PreTrainedModel, adapter: DecoderAdapter, layers: list[int]) -> None:
+    replace_sublayers(model, adapter, [adapter.attention_replacement(layer, "zero") for layer in layers])
+
+
+def _compress(model, recipe: Recipe, calibration: CalibrationSet, target: str, count: int, criterion: str,
+              replace) -> dict:
+    adapter = get_adapter(model)
+    already = {entry["layer"] for entry in linearized_entries(model)}
+    rounds = [count] if not recipe.greedy else [1] * count
+    chosen: dict[int, float] = {}  # layer → its score when it was chosen
+    history, fits = [], {}
+    for step_count in rounds:
+        statistics = sublayer_statistics(model, adapter, calibration, target)
+        scores = all_scores(statistics)
+        step = lowest_scoring(scores[criterion], step_count, already | set(chosen))
+        fits.update(replace(model, adapter, statistics, step))
+        chosen.update({layer: scores[criterion][layer] for layer in step})
+        history.append({"chosen": step, "scores": scores})
+    first_scores = history[0]["scores"]
+    return {
+        "removed_blocks": [],
+        "replaced": {"target": target, "layers": sorted(chosen),
+                     "replacement": "zero" if replace is _drop else "linear"},
+        "selection": {
+            "criterion": criterion,
+            "greedy": recipe.greedy,
+            "score": sum(chosen.values()) / len(chosen),
+            "chosen_scores": chosen,
+            "candidates": first_scores[criterion],
+            "scores_per_criterion": first_scores,
+            **({"greedy_steps": history} if recipe.greedy else {}),
+        },
+        "fits": fits,
+    }
+
+
+def _lmmse(recipe: Recipe, target: str):
+    def replace(model, adapter, statistics, layers):
+        return linearize(model, adapter, statistics, layers, target, recipe.ridge_alpha)
+
+    return replace
+
+
+def _drop(model, adapter, statistics, layers):
+    drop_attention(model, adapter, layers)
+    return {}
+
+
+def compress_nbl(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, recipe: Recipe,
+                 calibration: CalibrationSet) -> dict:
+    count = recipe.num_attention_layers_to_replace(get_adapter(model).num_layers(model))
+    return _compress(model, recipe, calibration, "attention", count, recipe.linearity_criterion, _lmmse(recipe, "attention"))
+
+
+def compress_nbl_block(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, recipe: Recipe,
+                       calibration: CalibrationSet) -> dict:
+    count = recipe.num_blocks_to_remove(get_adapter(model).num_layers(model))
+    return _compress(model, recipe, calibration, "block", count, recipe.linearity_criterion, _lmmse(recipe, "block"))
+
+
+def compress_drop_attention(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, recipe: Recipe,
+                            calibration: CalibrationSet) -> dict:
+    """DROP: the attention sublayers whose residual input and output are most alike (cosine), dropped."""
+    count = recipe.num_attention_layers_to_replace(get_adapter(model).num_layers(model))
+    return _compress(model, recipe, calibration, "attention", count, "cosine", _drop)
+
+
+__all__ = ["all_scores", "compress_drop_attention", "compress_nbl", "compress_nbl_block",
+           "drop_attention", "linearize", "sublayer_statistics"]

@@ -1,0 +1,176 @@
+"""Modeling code for checkpoints whose attention sublayers (or whole blocks) were replaced by linear maps.
+
+blockfold copies this file, unchanged, into every such checkpoint, so that
+``AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)`` loads it on a machine without
+blockfold. It therefore imports only torch and transformers and reads nothing but the config it is
+given (never the working directory).
+
+The checkpoint's config is the base architecture's config with ``model_type = "blockfold_<base>"`` (so
+that a plain load without remote code fails loudly instead of silently building the original
+attention with missing weights) and one extra field, ``blockfold_linearized``: a list of
+
+    {"layer": i, "module": "self_attn", "replacement": "linear" | "zero",
+     "identity": [norm attribute names], "zero": [sublayer attribute names]}
+
+Each entry says, in the decoder layer's own attribute names, which sublayer becomes ``y = x Wᵀ + b``
+(or nothing), which norms become the identity and which sublayers contribute zero. All knowledge of
+where things are in a block lives in blockfold's adapters, which wrote the entries; this file only
+executes them. A replaced sublayer reads no other token, so it keeps no KV cache.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+from transformers.cache_utils import DummyLayer
+
+LINEARIZED_FIELD = "blockfold_linearized"
+
+
+def _release_cache_layer(cache, layer_idx: int) -> None:
+    """Swap this layer's cache slot for one that stores nothing (transformers' ``DummyLayer``).
+
+    ``DynamicCache`` creates a slot per layer from the config; a slot that is never written costs no
+    memory, but the cache's sequence length is read from slot 0, so an unused slot must be a
+    ``DummyLayer``, which the cache knows to skip. Done on the first call, before anything is cached.
+    """
+    layers = getattr(cache, "layers", None)
+    if isinstance(layers, list) and layer_idx < len(layers) and not isinstance(layers[layer_idx], DummyLayer):
+        layers[layer_idx] = DummyLayer()
+
+
+class LinearAttention(nn.Module):
+    """Stands in for an attention sublayer: ``y = x Wᵀ + b`` for each token, no KV cache."""
+
+    def __init__(self, hidden_size: int, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.linear = nn.Linear(hidden_size, hidden_size, bias=True)
+
+    def forward(self, hidden_states: torch.Tensor, *args, past_key_values=None, **kwargs):
+        if past_key_values is not None:
+            _release_cache_layer(past_key_values, self.layer_idx)
+        return self.linear(hidden_states), None
+
+
+class ZeroAttention(nn.Module):
+    """An attention sublayer that was dropped: contributes nothing, no parameters, no KV cache."""
+
+    def __init__(self, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+
+    def forward(self, hidden_states: torch.Tensor, *args, past_key_values=None, **kwargs):
+        if past_key_values is not None:
+            _release_cache_layer(past_key_values, self.layer_idx)
+        return torch.zeros_like(hidden_states), None
+
+
+class ZeroMLP(nn.Module):
+    """An MLP sublayer whose contribution the block's linear map already includes."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(hidden_states)
+
+
+def linearize_layer(layer: nn.Module, entry: dict, hidden_size: int) -> None:
+    """Apply one ``blockfold_linearized`` entry to a decoder layer, in place."""
+    index = entry["layer"]
+    if entry["replacement"] == "linear":
+        replacement = LinearAttention(hidden_size, index)
+    elif entry["replacement"] == "zero":
+        replacement = ZeroAttention(index)
+    else:
+        raise ValueError(f"unknown replacement {entry['replacement']!r} for layer {index}")
+    setattr(layer, entry["module"], replacement)
+    for name in entry.get("identity", ()):
+        setattr(layer, name, nn.Identity())
+    for name in entry.get("zero", ()):
+        setattr(layer, name, ZeroMLP())
+
+
+class _Linearized:
+    """Mixin for a causal-LM class: build the stock model, then apply the config's replacements."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        layers = self.model.layers
+        for entry in getattr(config, LINEARIZED_FIELD, None) or ():
+            linearize_layer(layers[entry["layer"]], entry, config.hidden_size)
+
+
+class BlockfoldLlamaConfig(LlamaConfig):
+    model_type = "blockfold_llama"
+
+
+class BlockfoldLlamaForCausalLM(_Linearized, LlamaForCausalLM):
+    config_class = BlockfoldLlamaConfig
+
+
+class BlockfoldMistralConfig(MistralConfig):
+    model_type = "blockfold_mistral"
+
+
+class BlockfoldMistralForCausalLM(_Linearized, MistralForCausalLM):
+    config_class = BlockfoldMistralConfig
+
+
+class BlockfoldQwen2Config(Qwen2Config):
+    model_type = "blockfold_qwen2"
+
+
+class BlockfoldQwen2ForCausalLM(_Linearized, Qwen2ForCausalLM):
+    config_class = BlockfoldQwen2Config
+
+
+class BlockfoldQwen3Config(Qwen3Config):
+    model_type = "blockfold_qwen3"
+
+
+class BlockfoldQwen3ForCausalLM(_Linearized, Qwen3ForCausalLM):
+    config_class = BlockfoldQwen3Config
+
+
+class BlockfoldGemma2Config(Gemma2Config):
+    model_type = "blockfold_gemma2"
+
+
+class BlockfoldGemma2ForCausalLM(_Linearized, Gemma2ForCausalLM):
+    config_class = BlockfoldGemma2Config
+
+
+class BlockfoldGemma3TextConfig(Gemma3TextConfig):
+    model_type = "blockfold_gemma3_text"
+
+
+class BlockfoldGemma3ForCausalLM(_Linearized, Gemma3ForCausalLM):
+    config_class = BlockfoldGemma3TextConfig
+
+
+#: base ``model_type`` → (config class, causal-LM class) of its linearized form
+LINEARIZED_CLASSES = {
+    "llama": (BlockfoldLlamaConfig, BlockfoldLlamaForCausalLM),
+    "mistral": (BlockfoldMistralConfig, BlockfoldMistralForCausalLM),
+    "qwen2": (BlockfoldQwen2Config, BlockfoldQwen2ForCausalLM),
+    "qwen3": (BlockfoldQwen3Config, BlockfoldQwen3ForCausalLM),
+    "gemma2": (BlockfoldGemma2Config, BlockfoldGemma2ForCausalLM),
+    "gemma3_text": (BlockfoldGemma3TextConfig, BlockfoldGemma3ForCausalLM),
+}
+
+for _config_class, _model_class in LINEARIZED_CLASSES.values():
+    _config_class.register_for_auto_class("AutoConfig")
+    _model_class.register_for_auto_class("AutoModelForCausalLM")
