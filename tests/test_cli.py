@@ -178,3 +178,30 @@ def test_baseline_methods_through_the_cli(capsys, tiny_folder, corpus, tmp_path,
     assert method in capsys.readouterr().out
     manifest = json.loads((out / MANIFEST_NAME).read_text())
     assert manifest["method"] == method and len(manifest["removed_blocks"]) == 2 and manifest["num_layers"] == 4
+
+
+@pytest.mark.parametrize("method", ["nbl", "drop-attn"])
+def test_attention_methods_and_bench_through_the_cli(capsys, tiny_folder, corpus, tmp_path, method):
+    out = tmp_path / method
+    assert main(_compress_args(tiny_folder, corpus, out, "--method", method, "--attn", "3")) == 0
+    printed = capsys.readouterr().out
+    assert "attention layers" in printed and ("replaced by linear maps" if method == "nbl" else "dropped") in printed
+    manifest = json.loads((out / MANIFEST_NAME).read_text())
+    assert manifest["num_layers"] == 6 and len(manifest["replaced"]["layers"]) == 3
+    assert set(manifest["selection"]["scores_per_criterion"]) == {"cca", "nmse", "cosine"}
+    results = tmp_path / "bench.json"
+    assert main(["bench", "--model", str(out), "--lengths", "16,32", "--decode-tokens", "4", "--repeats", "1",
+                 "--json", str(results)]) == 0
+    assert "prefill tokens/s @ 32" in capsys.readouterr().out
+    measured = json.loads(results.read_text())
+    assert measured["against"]["spec"] == str(tiny_folder)  # from the manifest
+    kv = {role: measured[role]["kv_cache_bytes"]["32"] for role in ("against", "model")}
+    assert kv["model"] * 6 == kv["against"] * 3
+    assert measured["model"]["sparsity"] > 0
+
+
+def test_budget_flags_are_checked(capsys, tiny_folder, corpus, tmp_path):
+    code, err = _run(capsys, *_compress_args(tiny_folder, corpus, tmp_path / "o", "--method", "nbl", "--blocks", "2"))
+    assert code == 2 and "does not apply to method 'nbl'" in err and not (tmp_path / "o").exists()
+    code, err = _run(capsys, "bench", "--model", str(tiny_folder))
+    assert code == 2 and "--against" in err

@@ -19,6 +19,7 @@ DEFAULT_PPL_TEXT = DATA_DIR / "wikitext2_test.txt"
 RECIPE_FLAGS = {
     "method": "method", "blocks": "blocks", "ratio": "ratio", "estimator": "estimator",
     "ridge_alpha": "ridge_alpha", "criterion": "criterion", "span_start": "span_start",
+    "attn": "attention_layers", "linearity_criterion": "linearity_criterion", "greedy": "greedy",
     "sandwich_fold": "sandwich_fold",
     "calib": "calibration.source", "num_seqs": "calibration.num_sequences",
     "seq_len": "calibration.sequence_length", "calib_docs": "calibration.max_documents",
@@ -34,9 +35,14 @@ def _add_compress(sub) -> None:
     p.add_argument("--recipe", help="YAML recipe; flags given here override it")
     p.add_argument("--out", required=True, help="output folder (refused if it exists, unless --overwrite)")
     p.add_argument("--overwrite", action="store_true")
-    p.add_argument("--method", help="replaceme (default), uidl (best span, no transform), drop-block (DROP)")
-    p.add_argument("--blocks", type=int, help="number of blocks to remove")
-    p.add_argument("--ratio", type=float, help="share of blocks to remove, instead of --blocks")
+    p.add_argument("--method", help="replaceme (default), nbl, nbl-block, uidl, drop-attn, drop-block, sleb")
+    p.add_argument("--blocks", type=int, help="number of blocks to remove or linearize (block methods)")
+    p.add_argument("--attn", type=int, help="number of attention layers to linearize or drop (nbl, drop-attn)")
+    p.add_argument("--ratio", type=float, help="share of blocks (or attention layers) instead of --blocks/--attn")
+    p.add_argument("--linearity-criterion", choices=["cca", "nmse", "cosine"],
+                   help="nbl/nbl-block: rank layers by CCA bound (default), LMMSE NMSE or cosine distance")
+    p.add_argument("--greedy", action="store_true", default=None,
+                   help="nbl/nbl-block/drop-attn: recompute statistics after each replacement (k passes)")
     p.add_argument("--estimator", choices=["lstsq", "cosine", "identity"], help="identity = plain removal, no transform")
     p.add_argument("--span-start", type=int, help="remove the span starting at this block instead of selecting one")
     p.add_argument("--ridge-alpha", type=float)
@@ -68,6 +74,17 @@ def _add_eval(sub) -> None:
     p.add_argument("--json", help="write the results as JSON here")
 
 
+def _add_bench(sub) -> None:
+    p = sub.add_parser("bench", help="speed, memory, KV cache and size of a model next to another")
+    p.add_argument("--model", required=True, help="the model to measure (e.g. a compressed folder)")
+    p.add_argument("--against", default="auto", help="the reference; 'auto' = the manifest's source model")
+    p.add_argument("--lengths", default="256,1024,2048", help="prefill context lengths, comma-separated")
+    p.add_argument("--decode-tokens", type=int, default=64, help="greedy steps timed after a 128-token prompt")
+    p.add_argument("--repeats", type=int, default=3, help="repetitions per measurement (median kept)")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--json", help="write the results as JSON here")
+
+
 def _recipe_from_args(args):
     from blockfold.recipe import Recipe
 
@@ -81,8 +98,12 @@ def _recipe_from_args(args):
         for key in parents:
             target = target.setdefault(key, {})
         target[leaf] = value
-    if args.ratio is not None and args.blocks is None:
-        data["blocks"] = None
+    budgets = {"blocks": args.blocks, "attention_layers": args.attn, "ratio": args.ratio}
+    if any(value is not None for value in budgets.values()):
+        # a budget on the command line replaces whatever budget the recipe file had
+        for name, value in budgets.items():
+            if value is None:
+                data.pop(name, None)
     return Recipe.parse(data, origin="recipe")
 
 
@@ -130,8 +151,9 @@ def cmd_compress(args) -> int:
     selection = manifest["selection"]
     rows = [
         ("model", f"{args.model} ({manifest['architecture']['model_type']})"),
-        ("method", recipe.method + (f" / {recipe.estimator}" if recipe.method == "replaceme" else "")),
-        ("blocks", f"{manifest['original_num_layers']} -> {manifest['num_layers']} (removed {_span(manifest['removed_blocks'])})"),
+        ("method", recipe.method + {"replaceme": f" / {recipe.estimator}", "nbl": f" / {recipe.linearity_criterion}",
+                                    "nbl-block": f" / {recipe.linearity_criterion}"}.get(recipe.method, "")),
+        _changes(manifest),
         ("parameters", f"{manifest['original_parameters'] / 1e6:.1f}M -> {manifest['parameters'] / 1e6:.1f}M "
                        f"({manifest['parameters'] / manifest['original_parameters']:.3f}x)"),
         (f"selection ({selection['criterion']})", f"{selection['score']:.4f}"),
@@ -140,6 +162,8 @@ def cmd_compress(args) -> int:
                         f"{manifest['calibration']['tokens']} tokens"),
         ("compress time", f"{manifest['compress_seconds']:.1f} s (+ {load_seconds:.1f} s loading)"),
     ]
+    if manifest.get("fits"):
+        rows.append(("LMMSE relative error", ", ".join(f"{layer}: {info['nmse']:.3f}" for layer, info in manifest["fits"].items())))
     fit = manifest.get("transform")
     if fit:
         rows.append(("relative fit error", f"{fit['relative_fit_error']:.4f} (plain removal {fit['relative_error_plain_removal']:.4f})"))
@@ -155,6 +179,16 @@ def cmd_compress(args) -> int:
     rows.append(("saved", str(out)))
     _print_table(rows, "blockfold compress")
     return 0
+
+
+def _changes(manifest: dict) -> tuple[str, str]:
+    replaced = manifest.get("replaced")
+    if replaced:
+        what = "attention layers" if replaced["target"] == "attention" else "blocks"
+        how = "dropped" if replaced["replacement"] == "zero" else "replaced by linear maps"
+        return (what, f"{', '.join(map(str, replaced['layers']))} {how} (of {manifest['num_layers']})")
+    return ("blocks", f"{manifest['original_num_layers']} -> {manifest['num_layers']} "
+                      f"(removed {_span(manifest['removed_blocks'])})")
 
 
 def _candidates(selection: dict, count: int = 5) -> str:
@@ -201,11 +235,63 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def _source_of(spec: str) -> str:
+    """The model a compressed folder was made from, from its manifest."""
+    from blockfold.surgery import read_manifest
+
+    manifest = read_manifest(spec) if Path(spec).is_dir() else None
+    if not manifest or "source_model" not in manifest:
+        raise BlockfoldError(f"{spec} has no blockfold manifest naming its source: pass --against MODEL")
+    return manifest["source_model"]["spec"]
+
+
+def cmd_bench(args) -> int:
+    import torch
+
+    from blockfold.eval.speed import benchmark
+    from blockfold.models import load_model
+
+    try:
+        lengths = tuple(int(x) for x in args.lengths.split(","))
+    except ValueError:
+        raise BlockfoldError(f"--lengths {args.lengths!r} is not a comma-separated list of integers, e.g. 256,1024") from None
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    against = _source_of(args.model) if args.against == "auto" else args.against
+    models = {"against": load_model(against).model, "model": load_model(args.model).model}
+    results = benchmark(models, lengths, decode_tokens=args.decode_tokens, repeats=args.repeats)
+    base, new = results["against"], results["model"]
+    new["sparsity"] = 1 - new["non_embedding_parameters"] / base["non_embedding_parameters"]
+    rows = [("", f"{'against':>14} {'model':>14} {'ratio':>8}")]
+
+    def row(label, a, b, fmt="{:,.1f}"):
+        ratio = f"{b / a:8.3f}" if a else f"{'-':>8}"
+        rows.append((label, f"{fmt.format(a):>14} {fmt.format(b):>14} {ratio}"))
+
+    row("parameters", base["parameters"], new["parameters"], "{:,}")
+    row("parameters excl. embeddings", base["non_embedding_parameters"], new["non_embedding_parameters"], "{:,}")
+    for length in lengths:
+        row(f"prefill tokens/s @ {length}", base["prefill_tokens_per_s"][length], new["prefill_tokens_per_s"][length])
+    row("decode tokens/s", base["decode_tokens_per_s"], new["decode_tokens_per_s"])
+    row(f"KV cache bytes @ {lengths[-1]}", base["kv_cache_bytes"][lengths[-1]], new["kv_cache_bytes"][lengths[-1]], "{:,}")
+    if base["peak_prefill_memory_mib"] is not None:
+        row(f"peak prefill memory MiB @ {lengths[-1]}", base["peak_prefill_memory_mib"], new["peak_prefill_memory_mib"])
+    rows.append(("sparsity (excl. embeddings)", f"{new['sparsity']:.3f}"))
+    rows.append(("threads / repeats", f"{torch.get_num_threads()} / {args.repeats} (median; ratios are model / against)"))
+    _print_table(rows, f"blockfold bench: {args.model} against {against}")
+    if args.json:
+        base["spec"], new["spec"] = against, args.model
+        Path(args.json).write_text(json.dumps({**results, "threads": torch.get_num_threads(), "repeats": args.repeats},
+                                              indent=2))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="blockfold", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_compress(sub)
     _add_eval(sub)
+    _add_bench(sub)
     return parser
 
 
@@ -213,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     warnings.simplefilter("default")
     try:
-        return {"compress": cmd_compress, "eval": cmd_eval}[args.command](args)
+        return {"compress": cmd_compress, "eval": cmd_eval, "bench": cmd_bench}[args.command](args)
     except BlockfoldError as err:
         print(f"blockfold: error: {err}", file=sys.stderr)
         return 2

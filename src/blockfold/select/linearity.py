@@ -2,7 +2,9 @@
 
 * ``cca``: NBL's bound ``Σᵢ (1 − ρᵢ²)`` over the canonical correlations ρ of input and contribution.
   It is the LMMSE error of predicting the *whitened* contribution, so every output direction counts
-  equally, however little variance it carries; it lies in ``[0, d_out]``. The registry uses the sum
+  equally, however little variance it carries; it lies in ``[0, rank C_yy]``. Directions in which the
+  contribution does not vary at all (a rank-deficient output) are predicted exactly by the bias and
+  add nothing. The registry uses the sum
   (the paper's form); ``per_dimension=True`` divides by ``d_out`` to compare models of other widths.
   Ranking the layers of one model is the same either way.
 * ``nmse``: the relative error of the LMMSE map itself, ``Tr(C_yy − C_yx C_xx⁻¹ C_xy) / Tr C_yy``,
@@ -21,30 +23,32 @@ from blockfold.errors import BlockfoldError
 from blockfold.estimate.lmmse import fit_lmmse
 from blockfold.stats.linearity import LinearStatistics
 
-#: covariance eigenvalues below this fraction of the largest are raised to it before whitening.
-#: Such directions are below what float32 activations resolve (rounding alone is ~1e-15 of the
-#: largest variance); raising them keeps noise from being whitened into spurious correlations, and
-#: they then count as unexplained, so a degenerate layer errs towards looking nonlinear.
-WHITENING_FLOOR = 1e-12
+#: covariance eigen-directions with less than this fraction of the largest variance are treated as
+#: constant and left out before whitening. float32 rounding alone puts ~1e-15 of the largest variance
+#: into every direction; whitening such noise would turn it into spurious correlations.
+SUPPORT_FLOOR = 1e-10
 
 
-def _inverse_sqrt(cov: torch.Tensor) -> torch.Tensor:
+def _whitener(cov: torch.Tensor) -> torch.Tensor:
+    """``Λ^-½ Vᵀ`` on the directions where ``cov`` has variance: (rank, d), so ``W C Wᵀ = I``."""
     eigenvalues, vectors = torch.linalg.eigh(cov)
-    eigenvalues = eigenvalues.clamp(min=WHITENING_FLOOR * float(eigenvalues[-1]))
-    return (vectors * eigenvalues.rsqrt()) @ vectors.T
+    support = eigenvalues > SUPPORT_FLOOR * float(eigenvalues[-1])
+    return (vectors[:, support] * eigenvalues[support].rsqrt()).T
 
 
 def canonical_correlations(stats: LinearStatistics) -> torch.Tensor:
-    """ρ: the singular values of ``C_yy^-½ C_yx C_xx^-½``, descending, in [0, 1]."""
-    whitened = _inverse_sqrt(stats.cov_yy) @ stats.cov_yx @ _inverse_sqrt(stats.cov_xx)
+    """ρ: the singular values of ``C_yy^-½ C_yx C_xx^-½`` on the supports of ``C_yy`` and ``C_xx``,
+    descending, in [0, 1]."""
+    whitened = _whitener(stats.cov_yy) @ stats.cov_yx @ _whitener(stats.cov_xx).T
     return torch.linalg.svdvals(whitened).clamp(max=1.0)  # rounding can put ρ a hair above 1
 
 
 def cca_bound(stats: LinearStatistics, per_dimension: bool = False) -> float:
-    """``Σᵢ (1 − ρᵢ²)`` over the ``d_out`` output directions (ρᵢ = 0 beyond ``min(d_in, d_out)``)."""
-    d_out = stats.cov_yy.shape[0]
-    bound = d_out - float((canonical_correlations(stats) ** 2).sum())
-    return bound / d_out if per_dimension else bound
+    """``Σᵢ (1 − ρᵢ²)`` over the directions in which the output varies (ρᵢ = 0 beyond the number of
+    correlations); ``per_dimension`` divides by ``d_out``."""
+    rank = _whitener(stats.cov_yy).shape[0]
+    bound = rank - float((canonical_correlations(stats) ** 2).sum())
+    return bound / stats.cov_yy.shape[0] if per_dimension else bound
 
 
 def nmse(stats: LinearStatistics) -> float:

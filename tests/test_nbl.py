@@ -1,0 +1,246 @@
+"""NBL, DROP-attn and SLEB on tiny random models: exact replacement, known-linear attention recovered,
+KV cache sized to the kept attention layers, remote-code checkpoints reloaded without blockfold."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import random_calibration, tiny_model, tiny_tokenizer
+from transformers import Qwen2Config
+
+import blockfold
+from blockfold.adapters import get_adapter
+from blockfold.errors import BlockfoldError
+from blockfold.estimate import fit_lmmse
+from blockfold.eval.speed import kv_cache_bytes, kv_cache_bytes_per_layer, parameter_counts
+from blockfold.methods.nbl import sublayer_statistics
+from blockfold.methods.sleb import candidate_losses
+from blockfold.models import load_model
+from blockfold.select import cca_bound, nmse
+from blockfold.surgery import LINEARIZED_FIELD, remove_blocks, save_compressed
+
+IDS = torch.randint(4, 96, (2, 20), generator=torch.Generator().manual_seed(7))
+
+
+def _logits(model, ids=IDS):
+    with torch.no_grad():
+        return model(ids, use_cache=False).logits
+
+
+def _with_linear_maps(model, maps: dict[int, tuple[torch.Tensor, torch.Tensor]], target: str):
+    """Reference: the unmodified model with each chosen sublayer's output overwritten by ``x Wᵀ + b``
+    through hooks, computed here independently of blockfold's replacement modules."""
+    adapter = get_adapter(model)
+    handles, inputs = [], {}
+    for index, (weight, bias) in maps.items():
+        layer = adapter.layers(model)[index]
+        if target == "attention":
+            def keep(module, args, output, index=index):
+                inputs[index] = output
+            def replace(module, args, output, index=index, weight=weight, bias=bias):
+                value = inputs[index] @ weight.T.float() + bias.float()
+                return (value, *output[1:]) if isinstance(output, tuple) else value
+            handles.append(adapter.input_norm(layer).register_forward_hook(keep))
+            handles.append(adapter.attention_contribution_module(layer).register_forward_hook(replace))
+        else:
+            def replace_block(module, args, kwargs, output, weight=weight, bias=bias):
+                hidden = args[0] if args else kwargs["hidden_states"]
+                return hidden + hidden @ weight.T.float() + bias.float()
+            handles.append(layer.register_forward_hook(replace_block, with_kwargs=True))
+    try:
+        return _logits(model)
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@pytest.mark.parametrize("target", ["attention", "block"])
+def test_replaced_sublayer_computes_exactly_its_lmmse_map(arch, target, tokenizer):
+    model = tiny_model(arch)
+    calibration = random_calibration(num_sequences=16, length=32)
+    statistics = sublayer_statistics(model, get_adapter(model), calibration, target)
+    method, budget = ("nbl", "attention_layers") if target == "attention" else ("nbl-block", "blocks")
+    result = blockfold.compress(model, tokenizer, {"method": method, budget: 2}, calibration=calibration)
+    layers = result.manifest["replaced"]["layers"]
+    reference = _with_linear_maps(tiny_model(arch), {i: fit_lmmse(statistics[i])[:2] for i in layers}, target)
+    assert len(layers) == 2 and type(model).__name__.startswith("Blockfold")
+    assert (_logits(model) - reference).abs().max() < 1e-4
+    assert result.manifest["parameters"] < result.manifest["original_parameters"]
+
+
+def _qwen_with_linear_attention() -> torch.nn.Module:
+    """Layers 3-5 attend only to the current token (sliding window 1), so their attention is exactly
+    ``o_proj(v_proj(x))``: linear. Layers 0-2 attend to the whole prefix."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         use_sliding_window=True, sliding_window=1, max_window_layers=3, tie_word_embeddings=False)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+def test_truly_linear_attention_is_found_and_recovered(tokenizer):
+    model = _qwen_with_linear_attention()
+    assert model.config.layer_types == ["full_attention"] * 3 + ["sliding_attention"] * 3
+    calibration = random_calibration(num_sequences=16, length=32)
+    statistics = sublayer_statistics(model, get_adapter(model), calibration, "attention")
+    for index in (3, 4, 5):
+        assert cca_bound(statistics[index]) < 1e-5 and nmse(statistics[index]) < 1e-8
+    for index in (0, 1, 2):
+        assert cca_bound(statistics[index]) > 1.0
+    expected = _logits(model)
+    attention = model.model.layers[4].self_attn
+    heads = model.config.num_attention_heads // model.config.num_key_value_heads
+    v = attention.v_proj.weight.view(model.config.num_key_value_heads, -1, 32).repeat_interleave(heads, 0).reshape(-1, 32)
+    true_weight, true_bias = attention.o_proj.weight @ v, attention.o_proj.weight @ attention.v_proj.bias.view(
+        model.config.num_key_value_heads, -1).repeat_interleave(heads, 0).reshape(-1)
+    result = blockfold.compress(model, tokenizer, {"method": "nbl", "attention_layers": 3}, calibration=calibration)
+    assert result.manifest["replaced"]["layers"] == [3, 4, 5]
+    linear = model.model.layers[4].self_attn.linear
+    assert torch.allclose(linear.weight, true_weight, atol=1e-4) and torch.allclose(linear.bias, true_bias, atol=1e-4)
+    assert (_logits(model) - expected).abs().max() < 1e-4
+
+
+def test_kv_cache_shrinks_exactly_to_the_kept_attention_layers(arch, tokenizer):
+    model = tiny_model(arch)
+    before = kv_cache_bytes_per_layer(model, 40)
+    result = blockfold.compress(model, tokenizer, {"method": "nbl", "attention_layers": 2}, calibration=random_calibration())
+    replaced = result.manifest["replaced"]["layers"]
+    assert kv_cache_bytes_per_layer(model, 40) == [0 if i in replaced else b for i, b in enumerate(before)]
+    if len(set(before)) == 1:
+        assert kv_cache_bytes(model, 40) * 6 == sum(before) * 4  # full attention everywhere: exactly 4/6
+
+
+def test_drop_attention_drops_the_attention_layers_that_do_nothing(tokenizer):
+    model = tiny_model("llama")
+    with torch.no_grad():
+        for index in (2, 4):
+            model.model.layers[index].self_attn.o_proj.weight.zero_()
+    expected = _logits(model)
+    dropped_params = sum(p.numel() for p in model.model.layers[2].self_attn.parameters())
+    before = parameter_counts(model)["parameters"]
+    result = blockfold.compress(model, tokenizer, {"method": "drop-attn", "attention_layers": 2},
+                                calibration=random_calibration())
+    assert result.manifest["replaced"] == {"target": "attention", "layers": [2, 4], "replacement": "zero"}
+    assert (_logits(model) - expected).abs().max() < 1e-5
+    assert parameter_counts(model)["parameters"] == before - 2 * dropped_params
+
+
+def test_greedy_recomputes_statistics_after_each_replacement(tokenizer):
+    model = tiny_model("llama")
+    result = blockfold.compress(model, tokenizer, {"method": "nbl", "attention_layers": 3, "greedy": True},
+                                calibration=random_calibration())
+    steps = result.manifest["selection"]["greedy_steps"]
+    assert [len(step["chosen"]) for step in steps] == [1, 1, 1]
+    assert sorted(sum((step["chosen"] for step in steps), [])) == result.manifest["replaced"]["layers"]
+    replaced_first = steps[0]["chosen"][0]
+    # the second pass sees the replaced layer as its linear map: its NMSE is then zero up to rounding
+    assert steps[1]["scores"]["nmse"][replaced_first] < 1e-6
+
+
+def test_removing_blocks_renumbers_linearized_layers(tokenizer):
+    model = tiny_model("llama")
+    blockfold.compress(model, tokenizer, {"method": "nbl", "attention_layers": 2}, calibration=random_calibration())
+    layers = [entry["layer"] for entry in getattr(model.config, LINEARIZED_FIELD)]
+    remove_blocks(model, get_adapter(model), [0])
+    assert [entry["layer"] for entry in getattr(model.config, LINEARIZED_FIELD)] == [i - 1 for i in layers]
+    assert all(model.model.layers[i - 1].self_attn.layer_idx == i - 1 for i in layers)
+    model.generate(IDS[:1, :5], max_new_tokens=4, do_sample=False, pad_token_id=0)
+
+
+# -- SLEB --------------------------------------------------------------------------------------
+
+def test_sleb_candidate_scores_equal_the_perplexity_of_each_pruned_model():
+    model = tiny_model("gemma3_text")
+    calibration = random_calibration(num_sequences=4, length=16)
+    adapter = get_adapter(model)
+    scores = candidate_losses(model, adapter, calibration, [1, 3, 5])
+    for block, score in scores.items():
+        pruned = tiny_model("gemma3_text")
+        remove_blocks(pruned, adapter, [block])
+        nll, count = 0.0, 0
+        for batch in calibration:
+            logits = _logits(pruned, batch.input_ids)
+            nll += float(torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
+                                                           batch.input_ids[:, 1:].reshape(-1), reduction="sum"))
+            count += batch.input_ids[:, 1:].numel()
+        assert score == pytest.approx(math.exp(nll / count), rel=1e-5)
+
+
+def test_sleb_removes_the_blocks_that_do_nothing(tokenizer):
+    """Calibration text sampled from the model itself: in expectation no change to the model predicts
+    it better (KL ≥ 0), so removing any block that does something raises its perplexity."""
+    from blockfold.data import Batch, CalibrationSet
+
+    model = tiny_model("llama")
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20)  # peaked next-token distributions: the samples depend on every block
+        for index in (1, 4):
+            model.model.layers[index].self_attn.o_proj.weight.zero_()
+            model.model.layers[index].mlp.down_proj.weight.zero_()
+    torch.manual_seed(0)
+    samples = model.generate(torch.full((32, 1), 1), max_new_tokens=31, do_sample=True, top_k=0, pad_token_id=0)
+    calibration = CalibrationSet([Batch(samples[i:i + 8], torch.ones_like(samples[i:i + 8])) for i in range(0, 32, 8)],
+                                 {"source": "self-sampled", "sequences": 32, "tokens": samples.numel()})
+    result = blockfold.compress(model, tokenizer, {"method": "sleb", "blocks": 2}, calibration=calibration)
+    assert result.manifest["removed_blocks"] == [1, 4] and model.config.num_hidden_layers == 4
+
+
+def test_attention_budget_is_checked(tokenizer):
+    with pytest.raises(BlockfoldError, match="attention_layers"):
+        blockfold.Recipe.parse({"method": "replaceme", "attention_layers": 4})
+    with pytest.raises(BlockfoldError, match="blocks"):
+        blockfold.Recipe.parse({"method": "nbl", "blocks": 4})
+    with pytest.raises(BlockfoldError, match="--attn between 1 and 6"):
+        blockfold.compress(tiny_model("llama"), tokenizer, {"method": "nbl", "attention_layers": 7},
+                           calibration=random_calibration())
+    assert blockfold.Recipe.parse({"method": "drop-attn", "ratio": 0.5}).num_attention_layers_to_replace(6) == 3
+
+
+# -- checkpoints ---------------------------------------------------------------------------------
+
+REMOTE_RELOAD = r"""
+import sys, json, torch
+sys.modules["blockfold"] = None  # blockfold must not be importable here
+from transformers import AutoModelForCausalLM
+try:
+    AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=False)
+    print("loaded without trust_remote_code")
+except ValueError as err:
+    assert "trust_remote_code" in str(err), err
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True, dtype=torch.float32).eval()
+ids = torch.tensor(json.loads(sys.argv[2]))
+out = model.generate(ids, max_new_tokens=12, do_sample=False, use_cache=True, pad_token_id=0)
+print(json.dumps(out.tolist()))
+"""
+
+
+@pytest.mark.parametrize("arch, method", [("llama", "nbl"), ("gemma3_text", "nbl"), ("qwen2", "nbl-block"),
+                                          ("mistral", "drop-attn")])
+def test_linearized_checkpoint_reloads_without_blockfold_and_generates_same_tokens(arch, method, tmp_path):
+    model = tiny_model(arch)
+    budget = {"blocks": 2} if method == "nbl-block" else {"attention_layers": 2}
+    result = blockfold.compress(model, tiny_tokenizer(), {"method": method, **budget}, calibration=random_calibration())
+    out = save_compressed(result.model, tiny_tokenizer(), tmp_path / "out", result.manifest, "")
+    assert (out / "modeling_blockfold.py").is_file()
+    ids = [[5, 17, 33, 8, 61, 20]]
+    expected = model.generate(torch.tensor(ids), max_new_tokens=12, do_sample=False, use_cache=True, pad_token_id=0)
+    workdir = tmp_path / "elsewhere"  # the shipped code must not read the working directory
+    workdir.mkdir()
+    env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules")}
+    completed = subprocess.run([sys.executable, "-c", REMOTE_RELOAD, str(out), json.dumps(ids)], cwd=workdir,
+                               env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, check=True)
+    lines = completed.stdout.strip().splitlines()
+    assert "loaded without trust_remote_code" not in lines, "a plain load must refuse, not build the wrong model"
+    assert json.loads(lines[-1]) == expected.tolist()
+    # ...and through blockfold, with its own copy of the modeling code
+    reloaded = load_model(str(out)).model
+    assert type(reloaded).__name__ == type(model).__name__
+    assert torch.equal(reloaded.generate(torch.tensor(ids), max_new_tokens=12, do_sample=False, pad_token_id=0), expected)
