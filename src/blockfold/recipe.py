@@ -65,7 +65,7 @@ class Recipe(_Strict):
     ridge_alpha: float = Field(0.0, ge=0)
     criterion: Literal["angular_last", "angular_all"] = "angular_last"
     # NBL: how linear a sublayer is (select/linearity.py); greedy recomputes statistics after each replacement
-    linearity_criterion: Literal["cca", "nmse", "cosine"] = "cca"
+    linearity_criterion: Literal["cca", "nmse", "cosine", "stream"] = "cca"
     greedy: bool = False
     # Blocks with a norm after the MLP (Gemma): which foldable form of the map to use (docs/gemma.md).
     sandwich_fold: Literal["auto", "linearized-norm", "through-norm"] = "auto"

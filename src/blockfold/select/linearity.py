@@ -11,6 +11,10 @@
   which weights directions by their variance.
 * ``cosine``: DROP's ``1 − mean cos(residual before, residual after)``: how little the sublayer turns
   the residual stream, i.e. how well plain removal would do.
+* ``stream``: the LMMSE map's squared error relative to the residual stream it is added to,
+  ``Tr(C_yy − C_yx C_xx⁻¹ C_xy) / E‖h + y‖²``: what replacing the sublayer perturbs, on the scale
+  that plain removal (DROP) is judged on. ``cca`` and ``nmse`` are scale-free: a sublayer that adds
+  little to the stream but nonlinearly looks bad to them although replacing it costs little.
 """
 
 from __future__ import annotations
@@ -59,10 +63,15 @@ def cosine_distance(stats: LinearStatistics) -> float:
     return 1.0 - stats.mean_cosine
 
 
+def stream_error(stats: LinearStatistics) -> float:
+    return nmse(stats) * float(stats.cov_yy.trace()) / stats.mean_stream_energy
+
+
 LINEARITY_CRITERIA: dict[str, Callable[[LinearStatistics], float]] = {
     "cca": cca_bound,
     "nmse": nmse,
     "cosine": cosine_distance,
+    "stream": stream_error,
 }
 
 

@@ -12,7 +12,8 @@ For each layer the observer pairs an input ``x`` with a contribution ``y``:
 nothing. The replacement is ``residual + x Wᵀ + b`` either way, so nothing is lost by this choice.
 
 Alongside, the mean cosine similarity between the residual stream before and after the sublayer
-(``block_in`` vs ``block_in + y``) is kept for the DROP criterion.
+(``block_in`` vs ``block_in + y``) is kept for the DROP criterion, and the mean squared norm of the
+stream after it, to put the linear map's error on the scale of the stream it perturbs.
 
 Numerics: raw sums (count, Σx, Σy, ΣxxT, ΣyyT, ΣyxT) are accumulated in float64 and centred only in
 ``finalize`` as ``E[xyᵀ] − μ_x μ_yᵀ``. Raw sums make shards merge by plain addition; the cancellation
@@ -45,6 +46,7 @@ class LinearStatistics:
     cov_yx: torch.Tensor  # (d_out, d_in)
     tokens: int
     mean_cosine: float  # mean cosine between the residual stream before and after the sublayer
+    mean_stream_energy: float  # E‖h + y‖²: the squared norm of the residual stream after the sublayer
 
     def relative_residual(self, weight: torch.Tensor) -> float:
         """``E‖y − ŷ‖² / Tr C_yy`` of ``ŷ = W x + b`` with the best ``b``, from the moments alone."""
@@ -66,6 +68,7 @@ class SublayerLinearity:
         self.needs_attention = target == "attention"
         self.tokens = [0] * num_layers
         self.cosine_sum = [0.0] * num_layers
+        self.energy_sum = [0.0] * num_layers
         self._sums: list[dict[str, torch.Tensor]] = [{} for _ in range(num_layers)]
 
     # -- streaming ------------------------------------------------------------------------
@@ -78,6 +81,7 @@ class SublayerLinearity:
         index = acts.index
         self.tokens[index] += x.shape[0]
         self.cosine_sum[index] += float(F.cosine_similarity(residual, residual + y, dim=-1).sum())
+        self.energy_sum[index] += float((residual + y).pow(2).sum())
         self._add(index, {"x": x.sum(0), "y": y.sum(0), "xx": x.T @ x, "yy": y.T @ y, "yx": y.T @ x})
 
     def end_batch(self) -> None:
@@ -102,6 +106,7 @@ class SublayerLinearity:
         for index in range(self.num_layers):
             self.tokens[index] += other.tokens[index]
             self.cosine_sum[index] += other.cosine_sum[index]
+            self.energy_sum[index] += other.energy_sum[index]
             self._add(index, other._sums[index])
         return self
 
@@ -122,4 +127,5 @@ class SublayerLinearity:
             cov_yx=moment["yx"] - torch.outer(mean_y, mean_x),
             tokens=n,
             mean_cosine=self.cosine_sum[index] / n,
+            mean_stream_energy=self.energy_sum[index] / n,
         )
