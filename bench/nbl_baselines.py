@@ -64,7 +64,7 @@ def main() -> None:
     parser.add_argument("--ppl-windows", type=int, default=40)
     parser.add_argument("--attn", default="4,8,12", help="attention-layer budgets")
     parser.add_argument("--blocks", type=int, default=8)
-    parser.add_argument("--attention-runs", default="nbl-cca,nbl-nmse,nbl-stream,drop-attn")
+    parser.add_argument("--attention-runs", default="nbl-cca,nbl-nmse,nbl-stream,nbl-cosine,drop-attn")
     parser.add_argument("--block-runs", default="replaceme,nbl-block,uidl,drop-block,sleb")
     parser.add_argument("--sleb-sequences", type=int, default=4)
     parser.add_argument("--speed-length", type=int, default=2048)

@@ -100,7 +100,7 @@ def test_cosine_compares_the_residual_around_the_target_sublayer():
         assert cosine_distance(observer.finalize()[0]) == pytest.approx(expected, rel=1e-12)
 
 
-def test_stream_error_is_the_lmmse_error_relative_to_the_stream_after_the_sublayer():
+def test_stream_error_is_the_lmmse_error_relative_to_the_stream_after_the_sublayer_per_token():
     generator = torch.Generator().manual_seed(5)
     x, _ = _gaussian(ROWS, generator)
     residual = 3 * torch.randn(ROWS, D, generator=generator, dtype=torch.float64)
@@ -110,7 +110,7 @@ def test_stream_error_is_the_lmmse_error_relative_to_the_stream_after_the_sublay
     stats = observer.finalize()[0]
     design = torch.cat([x, torch.ones(ROWS, 1, dtype=torch.float64)], dim=1)
     error = y - design @ torch.linalg.lstsq(design, y).solution  # the LMMSE fit, by numpy-style lstsq
-    expected = float(error.pow(2).sum(-1).mean() / (residual + y).pow(2).sum(-1).mean())
+    expected = float((error.pow(2).sum(-1) / (residual + y).pow(2).sum(-1)).mean())
     assert LINEARITY_CRITERIA["stream"](stats) == pytest.approx(expected, rel=1e-9)
 
 
@@ -130,7 +130,8 @@ def test_merge_of_shards_equals_one_pass():
     for got, expected in zip(merged.finalize(), whole.finalize()):
         assert got.tokens == expected.tokens == ROWS
         assert got.mean_cosine == pytest.approx(expected.mean_cosine, rel=1e-12)
-        assert got.mean_stream_energy == pytest.approx(expected.mean_stream_energy, rel=1e-12)
+        for name, value in expected.stream_weighted.items():
+            torch.testing.assert_close(got.stream_weighted[name], value, rtol=1e-12, atol=1e-14)
         for name in ("mean_x", "mean_y", "cov_xx", "cov_yy", "cov_yx"):
             torch.testing.assert_close(getattr(got, name), getattr(expected, name), rtol=1e-12, atol=1e-12)
     with pytest.raises(BlockfoldError, match="cannot merge"):

@@ -11,10 +11,12 @@
   which weights directions by their variance.
 * ``cosine``: DROP's ``1 − mean cos(residual before, residual after)``: how little the sublayer turns
   the residual stream, i.e. how well plain removal would do.
-* ``stream``: the LMMSE map's squared error relative to the residual stream it is added to,
-  ``Tr(C_yy − C_yx C_xx⁻¹ C_xy) / E‖h + y‖²``: what replacing the sublayer perturbs, on the scale
-  that plain removal (DROP) is judged on. ``cca`` and ``nmse`` are scale-free: a sublayer that adds
-  little to the stream but nonlinearly looks bad to them although replacing it costs little.
+* ``stream``: the LMMSE map's squared error relative to the residual stream it is added to, per
+  token, ``mean_t ‖y_t − ŷ_t‖² / ‖h_t + y_t‖²``: what replacing the sublayer perturbs, on the scale
+  DROP's cosine judges plain removal on. ``cca`` and ``nmse`` are scale-free: a sublayer that adds
+  little to the stream, nonlinearly, looks bad to them although replacing it costs little. (A
+  ratio of totals, ``E‖y − ŷ‖² / E‖h + y‖²``, was tried first: the few tokens with massive
+  activations dominate its denominator and it picked the worst layers; see BENCHMARKS.md.)
 """
 
 from __future__ import annotations
@@ -64,7 +66,8 @@ def cosine_distance(stats: LinearStatistics) -> float:
 
 
 def stream_error(stats: LinearStatistics) -> float:
-    return nmse(stats) * float(stats.cov_yy.trace()) / stats.mean_stream_energy
+    weight, bias, _ = fit_lmmse(stats)
+    return stats.relative_stream_error(weight, bias)
 
 
 LINEARITY_CRITERIA: dict[str, Callable[[LinearStatistics], float]] = {

@@ -12,13 +12,14 @@ For each layer the observer pairs an input ``x`` with a contribution ``y``:
 nothing. The replacement is ``residual + x Wᵀ + b`` either way, so nothing is lost by this choice.
 
 Alongside, the mean cosine similarity between the residual stream before and after the sublayer
-(``block_in`` vs ``block_in + y``) is kept for the DROP criterion, and the mean squared norm of the
-stream after it, to put the linear map's error on the scale of the stream it perturbs.
+(``block_in`` vs ``block_in + y``) is kept for the DROP criterion, and the same moments weighted per
+token by ``1 / ‖block_in + y‖²``, to put the linear map's error on the scale of the residual stream it
+perturbs, token by token (an unweighted ratio would be dominated by the few tokens with massive
+activations). Memory: five (d, d) float64 matrices per layer.
 
 Numerics: raw sums (count, Σx, Σy, ΣxxT, ΣyyT, ΣyxT) are accumulated in float64 and centred only in
 ``finalize`` as ``E[xyᵀ] − μ_x μ_yᵀ``. Raw sums make shards merge by plain addition; the cancellation
 costs about log10(μ²/σ²) of float64's ~16 digits, far more than the float32 activations carry.
-Memory is three (d, d) float64 matrices per layer, on the model's device.
 """
 
 from __future__ import annotations
@@ -46,7 +47,17 @@ class LinearStatistics:
     cov_yx: torch.Tensor  # (d_out, d_in)
     tokens: int
     mean_cosine: float  # mean cosine between the residual stream before and after the sublayer
-    mean_stream_energy: float  # E‖h + y‖²: the squared norm of the residual stream after the sublayer
+    # means of raw moments weighted per token by w = 1 / ‖h + y‖², the inverse squared norm of the
+    # residual stream after the sublayer: keys "w", "wx", "wy", "wxx", "wyx", "wyy" (the last a trace)
+    stream_weighted: dict[str, torch.Tensor]
+
+    def relative_stream_error(self, weight: torch.Tensor, bias: torch.Tensor) -> float:
+        """``mean_t ‖y_t − W x_t − b‖² / ‖h_t + y_t‖²``: how much replacing the sublayer by ``(W, b)``
+        perturbs the residual stream, relative to its size at each token, from the moments alone."""
+        w, b, m = weight.double(), bias.double(), self.stream_weighted
+        error = (m["wyy"] - 2 * (w * m["wyx"]).sum() - 2 * b @ m["wy"] + (w * (w @ m["wxx"])).sum()
+                 + 2 * b @ (w @ m["wx"]) + m["w"] * (b @ b))
+        return float(error)
 
     def relative_residual(self, weight: torch.Tensor) -> float:
         """``E‖y − ŷ‖² / Tr C_yy`` of ``ŷ = W x + b`` with the best ``b``, from the moments alone."""
@@ -81,8 +92,11 @@ class SublayerLinearity:
         index = acts.index
         self.tokens[index] += x.shape[0]
         self.cosine_sum[index] += float(F.cosine_similarity(residual, residual + y, dim=-1).sum())
-        self.energy_sum[index] += float((residual + y).pow(2).sum())
-        self._add(index, {"x": x.sum(0), "y": y.sum(0), "xx": x.T @ x, "yy": y.T @ y, "yx": y.T @ x})
+        weight = 1.0 / (residual + y).pow(2).sum(-1).clamp(min=1e-30)
+        wx, wy = weight[:, None] * x, weight[:, None] * y
+        self._add(index, {"x": x.sum(0), "y": y.sum(0), "xx": x.T @ x, "yy": y.T @ y, "yx": y.T @ x,
+                          "w": weight.sum(), "wx": wx.sum(0), "wy": wy.sum(0), "wxx": wx.T @ x, "wyx": wy.T @ x,
+                          "wyy": (wy * y).sum()})
 
     def end_batch(self) -> None:
         """Nothing is carried from one layer to the next."""
@@ -106,7 +120,6 @@ class SublayerLinearity:
         for index in range(self.num_layers):
             self.tokens[index] += other.tokens[index]
             self.cosine_sum[index] += other.cosine_sum[index]
-            self.energy_sum[index] += other.energy_sum[index]
             self._add(index, other._sums[index])
         return self
 
@@ -127,5 +140,5 @@ class SublayerLinearity:
             cov_yx=moment["yx"] - torch.outer(mean_y, mean_x),
             tokens=n,
             mean_cosine=self.cosine_sum[index] / n,
-            mean_stream_energy=self.energy_sum[index] / n,
+            stream_weighted={name: moment[name] for name in ("w", "wx", "wy", "wxx", "wyx", "wyy")},
         )
