@@ -188,7 +188,7 @@ def test_attention_methods_and_bench_through_the_cli(capsys, tiny_folder, corpus
     assert "attention layers" in printed and ("replaced by linear maps" if method == "nbl" else "dropped") in printed
     manifest = json.loads((out / MANIFEST_NAME).read_text())
     assert manifest["num_layers"] == 6 and len(manifest["replaced"]["layers"]) == 3
-    assert set(manifest["selection"]["scores_per_criterion"]) == {"cca", "nmse", "cosine"}
+    assert set(manifest["selection"]["scores_per_criterion"]) == {"cca", "nmse", "cosine", "stream"}
     results = tmp_path / "bench.json"
     assert main(["bench", "--model", str(out), "--lengths", "16,32", "--decode-tokens", "4", "--repeats", "1",
                  "--json", str(results)]) == 0

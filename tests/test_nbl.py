@@ -22,7 +22,7 @@ from blockfold.eval.speed import kv_cache_bytes, kv_cache_bytes_per_layer, param
 from blockfold.methods.nbl import sublayer_statistics
 from blockfold.methods.sleb import candidate_losses
 from blockfold.models import load_model
-from blockfold.select import cca_bound, nmse
+from blockfold.select import cca_bound, nmse, score_layers
 from blockfold.surgery import LINEARIZED_FIELD, remove_blocks, save_compressed
 
 IDS = torch.randint(4, 96, (2, 20), generator=torch.Generator().manual_seed(7))
@@ -101,7 +101,10 @@ def test_truly_linear_attention_is_found_and_recovered(tokenizer):
     v = attention.v_proj.weight.view(model.config.num_key_value_heads, -1, 32).repeat_interleave(heads, 0).reshape(-1, 32)
     true_weight, true_bias = attention.o_proj.weight @ v, attention.o_proj.weight @ attention.v_proj.bias.view(
         model.config.num_key_value_heads, -1).repeat_interleave(heads, 0).reshape(-1)
-    result = blockfold.compress(model, tokenizer, {"method": "nbl", "attention_layers": 3}, calibration=calibration)
+    for criterion in ("cca", "nmse", "stream"):  # all criteria of linearity see it; cosine measures size
+        assert score_layers(statistics, criterion)[3:] == pytest.approx([0, 0, 0], abs=1e-5)
+    result = blockfold.compress(model, tokenizer, {"method": "nbl", "attention_layers": 3, "linearity_criterion": "cca"},
+                                calibration=calibration)
     assert result.manifest["replaced"]["layers"] == [3, 4, 5]
     linear = model.model.layers[4].self_attn.linear
     assert torch.allclose(linear.weight, true_weight, atol=1e-4) and torch.allclose(linear.bias, true_bias, atol=1e-4)
@@ -149,9 +152,11 @@ def test_removing_blocks_renumbers_linearized_layers(tokenizer):
     model = tiny_model("llama")
     blockfold.compress(model, tokenizer, {"method": "nbl", "attention_layers": 2}, calibration=random_calibration())
     layers = [entry["layer"] for entry in getattr(model.config, LINEARIZED_FIELD)]
-    remove_blocks(model, get_adapter(model), [0])
-    assert [entry["layer"] for entry in getattr(model.config, LINEARIZED_FIELD)] == [i - 1 for i in layers]
-    assert all(model.model.layers[i - 1].self_attn.layer_idx == i - 1 for i in layers)
+    removed = min(set(range(6)) - set(layers))
+    remove_blocks(model, get_adapter(model), [removed])
+    expected = [i - (i > removed) for i in layers]
+    assert [entry["layer"] for entry in getattr(model.config, LINEARIZED_FIELD)] == expected
+    assert all(model.model.layers[i].self_attn.layer_idx == i for i in expected)
     model.generate(IDS[:1, :5], max_new_tokens=4, do_sample=False, pad_token_id=0)
 
 

@@ -40,7 +40,8 @@ def _add_compress(sub) -> None:
     p.add_argument("--attn", type=int, help="number of attention layers to linearize or drop (nbl, drop-attn)")
     p.add_argument("--ratio", type=float, help="share of blocks (or attention layers) instead of --blocks/--attn")
     p.add_argument("--linearity-criterion", choices=["cca", "nmse", "cosine", "stream"],
-                   help="nbl/nbl-block: rank layers by CCA bound (default), LMMSE NMSE, cosine distance, or LMMSE error relative to the residual stream")
+                   help="nbl/nbl-block: rank layers by cosine distance (default: measured best), CCA bound "
+                        "(the NBL paper's), LMMSE NMSE, or LMMSE error relative to the residual stream")
     p.add_argument("--greedy", action="store_true", default=None,
                    help="nbl/nbl-block/drop-attn: recompute statistics after each replacement (k passes)")
     p.add_argument("--estimator", choices=["lstsq", "cosine", "identity"], help="identity = plain removal, no transform")

@@ -64,8 +64,10 @@ class Recipe(_Strict):
     span_start: int | None = Field(None, ge=1)
     ridge_alpha: float = Field(0.0, ge=0)
     criterion: Literal["angular_last", "angular_all"] = "angular_last"
-    # NBL: how linear a sublayer is (select/linearity.py); greedy recomputes statistics after each replacement
-    linearity_criterion: Literal["cca", "nmse", "cosine", "stream"] = "cca"
+    # NBL: which sublayers to replace (select/linearity.py). "cosine" (DROP's ranking, then the LMMSE
+    # map instead of nothing) measured best on SmolLM2-135M at 4, 8 and 12 layers (BENCHMARKS.md);
+    # "cca" is the NBL paper's. greedy recomputes statistics after each replacement.
+    linearity_criterion: Literal["cca", "nmse", "cosine", "stream"] = "cosine"
     greedy: bool = False
     # Blocks with a norm after the MLP (Gemma): which foldable form of the map to use (docs/gemma.md).
     sandwich_fold: Literal["auto", "linearized-norm", "through-norm"] = "auto"
