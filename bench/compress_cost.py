@@ -37,25 +37,18 @@ def _setup(model_spec: str, sequences: int, calib: str):
     return loaded, Recipe(blocks=8, calibration=config), calibration
 
 
-def _status_mib(field: str) -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
 def measure_peak_rss(model_spec: str, sequences: int, calib: str) -> dict:
     """Peak RSS of the compress phase alone: the kernel's high-water mark is reset just before it
     (``clear_refs`` 5), so model loading does not mask what compress itself needs."""
     import blockfold
+    from blockfold.eval.speed import peak_memory, reset_peak_memory
 
     loaded, recipe, calibration = _setup(model_spec, sequences, calib)
     gc.collect()
-    before = _status_mib("VmRSS")
-    Path("/proc/self/clear_refs").write_text("5")
+    before = reset_peak_memory(loaded.model)
     started = time.perf_counter()
     blockfold.compress(loaded.model, loaded.tokenizer, recipe, calibration=calibration)
-    peak = _status_mib("VmHWM")
+    peak = peak_memory(loaded.model)
     return {"sequences": sequences, "tokens": calibration.num_tokens, "compress_seconds": time.perf_counter() - started,
             "rss_before_compress_mib": before, "peak_rss_during_compress_mib": peak,
             "compress_extra_mib": peak - before,

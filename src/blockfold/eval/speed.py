@@ -77,8 +77,9 @@ def decode_seconds(model: PreTrainedModel, prompt_length: int, new_tokens: int) 
     return time.perf_counter() - started
 
 
-def _reset_peak_memory(model: PreTrainedModel) -> float:
-    """Start a new peak-memory window; returns the current level in MiB."""
+def reset_peak_memory(model: PreTrainedModel) -> float:
+    """Start a new peak-memory window on the model's device; returns the current level in MiB
+    (CUDA: allocated memory; CPU: the process's resident set)."""
     if next(model.parameters()).is_cuda:
         torch.cuda.reset_peak_memory_stats()
         return torch.cuda.memory_allocated() / 2**20
@@ -86,7 +87,8 @@ def _reset_peak_memory(model: PreTrainedModel) -> float:
     return _status_mib("VmRSS")
 
 
-def _peak_memory(model: PreTrainedModel) -> float:
+def peak_memory(model: PreTrainedModel) -> float:
+    """The highest level in MiB since ``reset_peak_memory``."""
     if next(model.parameters()).is_cuda:
         return torch.cuda.max_memory_allocated() / 2**20
     return _status_mib("VmHWM")
@@ -104,9 +106,9 @@ def peak_prefill_memory_mib(model: PreTrainedModel, length: int) -> float | None
     included in neither); None where the platform cannot tell (no CUDA, no /proc)."""
     if not next(model.parameters()).is_cuda and not PROC_STATUS.exists():
         return None
-    before = _reset_peak_memory(model)
+    before = reset_peak_memory(model)
     prefill_seconds(model, length)
-    return _peak_memory(model) - before
+    return peak_memory(model) - before
 
 
 def benchmark(models: dict[str, PreTrainedModel], lengths: tuple[int, ...] = (256, 1024, 2048),

@@ -55,7 +55,9 @@ def drop_attention(model: PreTrainedModel, adapter: DecoderAdapter, layers: list
 
 
 def _compress(model, recipe: Recipe, calibration: CalibrationSet, target: str, count: int, criterion: str,
-              replace) -> dict:
+              replacement: str) -> dict:
+    """Choose ``count`` layers by ``criterion`` and give them their LMMSE map (``replacement="linear"``)
+    or nothing (``"zero"``, attention only)."""
     adapter = get_adapter(model)
     already = {entry["layer"] for entry in linearized_entries(model)}
     rounds = [count] if not recipe.greedy else [1] * count
@@ -65,14 +67,16 @@ def _compress(model, recipe: Recipe, calibration: CalibrationSet, target: str, c
         statistics = sublayer_statistics(model, adapter, calibration, target)
         scores = all_scores(statistics)
         step = lowest_scoring(scores[criterion], step_count, already | set(chosen))
-        fits.update(replace(model, adapter, statistics, step))
+        if replacement == "linear":
+            fits.update(linearize(model, adapter, statistics, step, target, recipe.ridge_alpha))
+        else:
+            drop_attention(model, adapter, step)
         chosen.update({layer: scores[criterion][layer] for layer in step})
         history.append({"chosen": step, "scores": scores})
     first_scores = history[0]["scores"]
     return {
         "removed_blocks": [],
-        "replaced": {"target": target, "layers": sorted(chosen),
-                     "replacement": "zero" if replace is _drop else "linear"},
+        "replaced": {"target": target, "layers": sorted(chosen), "replacement": replacement},
         "selection": {
             "criterion": criterion,
             "greedy": recipe.greedy,
@@ -86,35 +90,23 @@ def _compress(model, recipe: Recipe, calibration: CalibrationSet, target: str, c
     }
 
 
-def _lmmse(recipe: Recipe, target: str):
-    def replace(model, adapter, statistics, layers):
-        return linearize(model, adapter, statistics, layers, target, recipe.ridge_alpha)
-
-    return replace
-
-
-def _drop(model, adapter, statistics, layers):
-    drop_attention(model, adapter, layers)
-    return {}
-
-
 def compress_nbl(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, recipe: Recipe,
                  calibration: CalibrationSet) -> dict:
     count = recipe.num_attention_layers_to_replace(get_adapter(model).num_layers(model))
-    return _compress(model, recipe, calibration, "attention", count, recipe.linearity_criterion, _lmmse(recipe, "attention"))
+    return _compress(model, recipe, calibration, "attention", count, recipe.linearity_criterion, "linear")
 
 
 def compress_nbl_block(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, recipe: Recipe,
                        calibration: CalibrationSet) -> dict:
     count = recipe.num_blocks_to_remove(get_adapter(model).num_layers(model))
-    return _compress(model, recipe, calibration, "block", count, recipe.linearity_criterion, _lmmse(recipe, "block"))
+    return _compress(model, recipe, calibration, "block", count, recipe.linearity_criterion, "linear")
 
 
 def compress_drop_attention(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, recipe: Recipe,
                             calibration: CalibrationSet) -> dict:
     """DROP: the attention sublayers whose residual input and output are most alike (cosine), dropped."""
     count = recipe.num_attention_layers_to_replace(get_adapter(model).num_layers(model))
-    return _compress(model, recipe, calibration, "attention", count, "cosine", _drop)
+    return _compress(model, recipe, calibration, "attention", count, "cosine", "zero")
 
 
 __all__ = ["all_scores", "compress_drop_attention", "compress_nbl", "compress_nbl_block",
