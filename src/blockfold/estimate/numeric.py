@@ -38,7 +38,8 @@ def fit_numerically(
     objective: Literal["cosine", "mse"] = "cosine",
     contribution: Contribution = linear_contribution,
 ) -> tuple[torch.Tensor, dict]:
-    """Minimise ``objective`` over the transform, from ``init``; float32 on the sample's device."""
+    """Minimise ``objective`` (plus ``config.l1_penalty``·Σ|T|/d) over the transform, from ``init``;
+    float32 on the sample's device. The losses reported exclude the penalty."""
     transform = init.float().contiguous().clone().requires_grad_(True)
     optimizer = torch.optim.LBFGS(
         [transform], lr=config.learning_rate, max_iter=config.steps, history_size=20,
@@ -47,9 +48,13 @@ def fit_numerically(
 
     progress = tqdm(desc=f"fitting ({objective})", unit="eval", leave=False)
 
+    penalty = config.l1_penalty / transform.shape[0]
+
     def closure():
         optimizer.zero_grad()
         loss = span_loss(rows, transform, contribution, objective)
+        if penalty:
+            loss = loss + penalty * transform.abs().sum()
         loss.backward()
         progress.update(1)
         return loss
@@ -61,5 +66,6 @@ def fit_numerically(
     progress.close()
     with torch.no_grad():
         final = float(span_loss(rows, transform, contribution, objective))
-    info = {"objective": objective, "sample_tokens": rows.x.shape[0], "loss_start": initial, "loss_end": final}
+    info = {"objective": objective, "sample_tokens": rows.x.shape[0], "loss_start": initial, "loss_end": final,
+            "l1_penalty": config.l1_penalty}
     return transform.detach().double(), info

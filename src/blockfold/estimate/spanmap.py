@@ -1,0 +1,35 @@
+"""One entry point for the closed-form span-replacing maps, so selection can score every candidate
+span with the map that would actually be folded."""
+
+from __future__ import annotations
+
+import torch
+
+from blockfold.errors import BlockfoldError
+from blockfold.estimate.constrained import fit_diagonal, fit_lowrank, fit_orthogonal
+from blockfold.estimate.lstsq import fit_lstsq
+from blockfold.stats import NormalEquations
+
+CLOSED_FORM_ESTIMATORS = ("lstsq", "diagonal", "orthogonal", "lowrank", "identity")
+
+
+def fit_span_map(
+    equations: NormalEquations, estimator: str, ridge_alpha: float = 0.0, rank: int | None = None, warn: bool = True
+) -> tuple[torch.Tensor, dict]:
+    """The ``estimator``'s map from the normal equations (``cosine`` starts from, and here means, lstsq)."""
+    if estimator in ("lstsq", "cosine"):
+        return fit_lstsq(equations, ridge_alpha, warn)
+    if estimator == "diagonal":
+        return fit_diagonal(equations, ridge_alpha)
+    if estimator == "orthogonal":
+        return fit_orthogonal(equations)
+    if estimator == "lowrank":
+        if rank is None:
+            raise BlockfoldError("the lowrank estimator needs a rank: pass --rank R")
+        return fit_lowrank(equations, rank, ridge_alpha)
+    if estimator == "identity":  # plain removal of the span, for comparison
+        identity = torch.eye(equations.xtx.shape[0], dtype=torch.float64)
+        error = equations.relative_error_identity()
+        return identity, {"estimator": "identity", "relative_fit_error": error, "relative_error_plain_removal": error,
+                          "tokens": equations.tokens}
+    raise BlockfoldError(f"unknown estimator {estimator!r}: use one of {', '.join(CLOSED_FORM_ESTIMATORS)} or cosine")
