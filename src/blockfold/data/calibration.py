@@ -4,7 +4,10 @@ Plain corpora (``.txt``, ``.jsonl``/``.json`` with a text field) are packed: doc
 blank lines, tokenised once and cut into consecutive full-length sequences, so no position is
 padding. Instruction data (Alpaca ``instruction/input/output``, Dolly ``prompt/answer``) keeps one
 example per sequence, rendered through the tokenizer's chat template, padded on the configured
-side; every statistic excludes padding through the attention mask.
+side; every statistic excludes padding through the attention mask. A ``datasets`` folder written by
+``save_to_disk`` (e.g. a benchmark split, for task-specific calibration) is read like a JSON list;
+``text_template`` renders its records. Several sources mix by weight: each gives its share of the
+sequences (``self`` = text the model writes itself).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from blockfold.errors import BlockfoldError
-from blockfold.recipe import CalibrationConfig
+from blockfold.recipe import SELF_GENERATED, CalibrationConfig, calibration_sources
 
 INSTRUCTION_FIELDS = (("instruction", "input", "output"), ("prompt", None, "answer"))
 
@@ -71,6 +74,24 @@ def _read_records(path: Path) -> list:
     raise BlockfoldError(f"calibration file {path} has unknown type {path.suffix!r}: use .txt, .jsonl or .json")
 
 
+def _load_saved_dataset(path: Path) -> list:
+    """A folder written by ``datasets.save_to_disk``: one split, or the ``train`` split of several."""
+    import datasets
+
+    try:
+        dataset = datasets.load_from_disk(str(path))
+    except FileNotFoundError:
+        raise BlockfoldError(
+            f"calibration folder {path} is not a saved dataset: point --calib at a folder written by "
+            "datasets' save_to_disk (one with dataset_info.json), or at a .txt/.jsonl/.json file"
+        ) from None
+    if isinstance(dataset, datasets.DatasetDict):
+        if "train" not in dataset:
+            raise BlockfoldError(f"{path} holds the splits {sorted(dataset)}: point --calib at one split's folder")
+        dataset = dataset["train"]
+    return list(dataset)
+
+
 def _load_hub_dataset(name: str) -> list:
     """``name`` or ``name:config`` or ``name:config:split`` via the datasets library (needs a hub)."""
     import datasets
@@ -103,6 +124,13 @@ def _render(record, config: CalibrationConfig, tokenizer: PreTrainedTokenizerBas
         return record, False
     if not isinstance(record, dict):
         raise BlockfoldError(f"calibration records must be strings or objects, got {type(record).__name__}")
+    if config.text_template:
+        try:
+            return config.text_template.format(**record), False
+        except KeyError as missing:
+            raise BlockfoldError(
+                f"calibration template names the field {missing}, which the records lack: fields are {sorted(record)}"
+            ) from None
     if config.text_field:
         if config.text_field not in record:
             raise BlockfoldError(f"calibration record has no field {config.text_field!r}: fields are {sorted(record)}")
@@ -178,11 +206,11 @@ def _pad_id(tokenizer) -> int:
     return tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
 
 
-def build_calibration(
-    config: CalibrationConfig, tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel | None = None
-) -> CalibrationSet:
-    """Token batches for ``config``; with no source, the model writes its own calibration text."""
-    if config.source is None:
+def _source_sequences(
+    config: CalibrationConfig, tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel | None
+) -> tuple[list[torch.Tensor], dict, str]:
+    """Token sequences of one source, its description and a fingerprint of its text."""
+    if config.source in (None, SELF_GENERATED):
         if model is None:
             raise BlockfoldError("self-generated calibration needs the model: pass it to build_calibration")
         from blockfold.data.selfgen import generate_sequences
@@ -190,23 +218,56 @@ def build_calibration(
         sequences = generate_sequences(model, tokenizer, config)
         description = {"source": "self-generated", "temperature": config.generation_temperature,
                        "top_p": config.generation_top_p, "seed": config.seed}
-        texts_hash = _fingerprint([",".join(map(str, s.tolist())) for s in sequences])
+        return sequences, description, _fingerprint([",".join(map(str, s.tolist())) for s in sequences])
+    path = Path(config.source).expanduser()
+    if path.is_dir():
+        records = _load_saved_dataset(path)
     else:
-        path = Path(config.source).expanduser()
         records = _read_records(path) if path.exists() else _load_hub_dataset(config.source)
-        if config.max_documents:
-            records = records[: config.max_documents]
-        rendered = [_render(r, config, tokenizer) for r in records]
-        texts = [text for text, _ in rendered if text.strip()]
-        if not texts:
-            raise BlockfoldError(f"calibration source {config.source} contains no text: give a non-empty file")
-        instruction_like = any(is_instruction for _, is_instruction in rendered)
-        templated = instruction_like and config.use_chat_template and bool(getattr(tokenizer, "chat_template", None))
-        pack = config.packing if config.packing is not None else not instruction_like
-        sequences = _pack(texts, config, tokenizer) if pack else _per_example(texts, config, tokenizer, templated)
-        description = {"source": str(config.source), "documents": len(texts), "packed": pack,
-                       "chat_template": templated}
-        texts_hash = _fingerprint(texts)
+    if config.max_documents:
+        records = records[: config.max_documents]
+    rendered = [_render(r, config, tokenizer) for r in records]
+    texts = [text for text, _ in rendered if text.strip()]
+    if not texts:
+        raise BlockfoldError(f"calibration source {config.source} contains no text: give a non-empty file")
+    instruction_like = any(is_instruction for _, is_instruction in rendered)
+    templated = instruction_like and config.use_chat_template and bool(getattr(tokenizer, "chat_template", None))
+    pack = config.packing if config.packing is not None else not instruction_like
+    sequences = _pack(texts, config, tokenizer) if pack else _per_example(texts, config, tokenizer, templated)
+    description = {"source": str(config.source), "documents": len(texts), "packed": pack, "chat_template": templated}
+    if config.text_template:
+        description["text_template"] = config.text_template
+    return sequences, description, _fingerprint(texts)
+
+
+def _shares(total: int, weights: list[float]) -> list[int]:
+    """``total`` split by ``weights`` (largest remainders), at least one each."""
+    raw = [total * w for w in weights]
+    counts = [max(1, int(r)) for r in raw]
+    for index in sorted(range(len(raw)), key=lambda i: raw[i] - int(raw[i]), reverse=True):
+        if sum(counts) >= total:
+            break
+        counts[index] += 1
+    return counts
+
+
+def build_calibration(
+    config: CalibrationConfig, tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel | None = None
+) -> CalibrationSet:
+    """Token batches for ``config``; with no source, the model writes its own calibration text; a
+    weighted mix takes each source's share of ``num_sequences``."""
+    sources = calibration_sources(config.source)
+    if len(sources) == 1:
+        sequences, description, texts_hash = _source_sequences(config, tokenizer, model)
+    else:
+        sequences, parts, hashes = [], [], []
+        for (name, weight), count in zip(sources, _shares(config.num_sequences, [w for _, w in sources])):
+            part, part_description, part_hash = _source_sequences(
+                config.model_copy(update={"source": name, "num_sequences": count}), tokenizer, model)
+            sequences.extend(part)
+            parts.append({**part_description, "weight": weight, "sequences": len(part)})
+            hashes.append(part_hash)
+        description, texts_hash = {"source": str(config.source), "mix": parts}, _fingerprint(hashes)
     batches = batch_sequences(sequences, config.batch_size, _pad_id(tokenizer), config.padding_side)
     calibration = CalibrationSet(batches)
     calibration.description = {**description, "sha256_16": texts_hash, "sequences": len(sequences),

@@ -23,4 +23,7 @@ METHODS: dict[str, Callable] = {
 #: methods whose budget is a number of attention sublayers (``--attn``) rather than blocks
 ATTENTION_METHODS = frozenset({"nbl", "drop-attn"})
 
-__all__ = ["ATTENTION_METHODS", "METHODS"]
+#: methods that remove contiguous spans and accept ``--spans k``
+SPAN_METHODS = frozenset({"replaceme", "uidl"})
+
+__all__ = ["ATTENTION_METHODS", "METHODS", "SPAN_METHODS"]

@@ -21,7 +21,8 @@ from blockfold.surgery import remove_blocks
 def compress_uidl(
     model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, recipe: Recipe, calibration: CalibrationSet
 ) -> dict:
-    return compress_replaceme(model, tokenizer, recipe.model_copy(update={"estimator": "identity"}), calibration)
+    update = {"estimator": "identity", "criterion": recipe.criterion or "angular_last"}
+    return compress_replaceme(model, tokenizer, recipe.model_copy(update=update), calibration)
 
 
 def compress_drop_blocks(

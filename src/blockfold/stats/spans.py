@@ -54,6 +54,10 @@ class SpanTable:
     angular_last: np.ndarray
     cosine_all: np.ndarray
     normal_equations: dict[int, NormalEquations]
+    # the same sums with each token weighted by 1/‖h[start+length]‖² (the residual stream after the
+    # span): their residual divided by ``tokens`` is the map's mean per-token error relative to the
+    # stream it is added to, which massive-activation tokens cannot dominate
+    stream_weighted_equations: dict[int, NormalEquations]
     fit_length: int
     tokens: int
 
@@ -78,14 +82,17 @@ class SpanStatistics:
         min_start: int = 1,
         starts: list[int] | None = None,
         inputs: Literal["contribution", "down_out"] = "contribution",
+        stream_weighted: bool = True,
     ):
         """``starts`` restricts the normal equations to some spans; ``inputs="down_out"`` regresses on
-        the down-projection output before a post-MLP norm instead of the MLP contribution."""
+        the down-projection output before a post-MLP norm instead of the MLP contribution;
+        ``stream_weighted`` also accumulates the per-token weighted sums (two more (d, d) per start)."""
         self.num_layers = num_layers
         self.max_length = max_length
         self.fit_length = fit_length
         self.min_start = min_start
         self.inputs = inputs
+        self.stream_weighted = stream_weighted
         shape = (num_layers + 1, max_length + 1)
         self.angular_all = np.zeros(shape)
         self.angular_last = np.zeros(shape)
@@ -99,6 +106,7 @@ class SpanStatistics:
         self._xty: dict[int, torch.Tensor] = {}
         self._yty = {i: 0.0 for i in self.fit_starts}
         self._identity_error = {i: 0.0 for i in self.fit_starts}
+        self._weighted: dict[int, dict] = {}  # start → {"xtx", "xty", "yty", "identity"}
         self._hidden: dict[int, torch.Tensor] = {}
         self._x: dict[int, torch.Tensor] = {}
         self._attn: dict[int, torch.Tensor] = {}
@@ -130,6 +138,13 @@ class SpanStatistics:
             self._accumulate(self._xty, start, x.T @ y)
             self._yty[start] += float((y * y).sum())
             self._identity_error[start] += float(((contribution - y) ** 2).sum())
+            if self.stream_weighted:
+                weight = 1.0 / current.double().pow(2).sum(-1, keepdim=True).clamp(min=1e-30)
+                wx = weight * x
+                self._accumulate_all(self._weighted.setdefault(start, {}), {
+                    "xtx": wx.T @ x, "xty": wx.T @ y, "yty": (weight * y * y).sum(),
+                    "identity": (weight * (contribution - y) ** 2).sum(),
+                })
         if self.max_length:
             self._hidden.pop(j + 1 - self.max_length, None)
         else:
@@ -155,6 +170,11 @@ class SpanStatistics:
         else:
             store[key] = value.clone()
 
+    @classmethod
+    def _accumulate_all(cls, store: dict, values: dict) -> None:
+        for key, value in values.items():
+            cls._accumulate(store, key, value)
+
     # -- combining and reading ------------------------------------------------------------
     def merge(self, other: "SpanStatistics") -> "SpanStatistics":
         """Add another shard's sums (same model, same lengths) into this one."""
@@ -168,6 +188,8 @@ class SpanStatistics:
                     self._accumulate(store, key, theirs[key])
             self._yty[key] += other._yty[key]
             self._identity_error[key] += other._identity_error[key]
+            if key in other._weighted:
+                self._accumulate_all(self._weighted.setdefault(key, {}), other._weighted[key])
         return self
 
     def finalize(self) -> SpanTable:
@@ -182,11 +204,16 @@ class SpanStatistics:
             for i in self.fit_starts
             if i in self._xty
         }
+        weighted = {
+            i: NormalEquations(w["xtx"], w["xty"], float(w["yty"]), float(w["identity"]), self.tokens)
+            for i, w in self._weighted.items()
+        }
         return SpanTable(
             angular_all=self.angular_all / tokens * valid,
             angular_last=self.angular_last / seqs * valid,
             cosine_all=self.cosine_all / tokens * valid,
             normal_equations=equations,
+            stream_weighted_equations=weighted,
             fit_length=self.fit_length or 0,
             tokens=self.tokens,
         )

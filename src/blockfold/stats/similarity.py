@@ -1,0 +1,99 @@
+"""Second moments of the residual stream at every layer boundary, and between boundaries a fixed
+number of blocks apart, for representation-similarity criteria (linear CKA, CCA) of spans.
+
+``h[k]`` is the stream entering block ``k`` (``h[L]`` leaves the last block). For every boundary the
+observer keeps ``Σh``, ``Σhhᵀ``; for every span ``(start, length)`` with ``length`` in ``lengths``,
+``Σ h[start+length] h[start]ᵀ``. Raw float64 sums, centred in ``finalize`` (as in
+``stats/linearity.py``), so shards merge by addition. Memory: ``(L + 1) + L·len(lengths)`` matrices
+of (d, d) float64.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from blockfold.errors import BlockfoldError
+from blockfold.stats.engine import LayerActivations
+from blockfold.stats.linearity import LinearStatistics
+
+
+@dataclass
+class StreamMoments:
+    """Centred moments of the residual stream at the boundaries; ``pair`` gives those of one span."""
+
+    means: list[torch.Tensor]
+    covariances: list[torch.Tensor]
+    cross: dict[tuple[int, int], torch.Tensor]  # (start, length) → Cov(h[start+length], h[start])
+    tokens: int
+
+    def pair(self, start: int, length: int) -> LinearStatistics:
+        """Moments of ``x = h[start]`` and ``y = h[start+length]``."""
+        if (start, length) not in self.cross:
+            raise BlockfoldError(f"no cross-moments for the span ({start}, {length}): add {length} to the observer's lengths")
+        end = start + length
+        return LinearStatistics(
+            mean_x=self.means[start], mean_y=self.means[end], cov_xx=self.covariances[start],
+            cov_yy=self.covariances[end], cov_yx=self.cross[(start, length)], tokens=self.tokens,
+            mean_cosine=float("nan"), stream_weighted={},
+        )
+
+
+class StreamSimilarity:
+    """Observer: moments of ``h[k]`` for every boundary and of ``(h[s], h[s+ℓ])`` for ℓ in ``lengths``."""
+
+    def __init__(self, num_layers: int, lengths: list[int]):
+        self.num_layers = num_layers
+        self.lengths = sorted(set(lengths))
+        self.last_layer = num_layers - 1
+        self.tokens = 0
+        self._sum: dict[int, torch.Tensor] = {}
+        self._gram: dict[int, torch.Tensor] = {}
+        self._cross: dict[tuple[int, int], torch.Tensor] = {}
+        self._window: dict[int, torch.Tensor] = {}
+
+    def on_layer(self, acts: LayerActivations) -> None:
+        if acts.index == 0:
+            self.tokens += acts.block_in.shape[0]
+            self._add_boundary(0, acts.block_in)
+        self._add_boundary(acts.index + 1, acts.block_out)
+
+    def _add_boundary(self, k: int, hidden: torch.Tensor) -> None:
+        h = hidden.double()
+        self._add(self._sum, k, h.sum(0))
+        self._add(self._gram, k, h.T @ h)
+        for length in self.lengths:
+            if k - length in self._window:
+                self._add(self._cross, (k - length, length), h.T @ self._window[k - length])
+        self._window[k] = h
+        self._window.pop(k - max(self.lengths, default=0), None)
+
+    def end_batch(self) -> None:
+        self._window.clear()
+
+    @staticmethod
+    def _add(store: dict, key, value: torch.Tensor) -> None:
+        if key in store:
+            store[key] += value
+        else:
+            store[key] = value.clone()
+
+    def merge(self, other: "StreamSimilarity") -> "StreamSimilarity":
+        if (other.num_layers, other.lengths) != (self.num_layers, self.lengths):
+            raise BlockfoldError("cannot merge stream moments of different models or span lengths: merge shards of one pass")
+        self.tokens += other.tokens
+        for mine, theirs in ((self._sum, other._sum), (self._gram, other._gram), (self._cross, other._cross)):
+            for key, value in theirs.items():
+                self._add(mine, key, value)
+        return self
+
+    def finalize(self) -> StreamMoments:
+        if self.tokens == 0:
+            raise BlockfoldError("no calibration tokens were streamed: stream some batches before finalize")
+        n = self.tokens
+        means = [self._sum[k] / n for k in range(self.num_layers + 1)]
+        covariances = [self._gram[k] / n - torch.outer(means[k], means[k]) for k in range(self.num_layers + 1)]
+        cross = {(s, length): value / n - torch.outer(means[s + length], means[s])
+                 for (s, length), value in self._cross.items()}
+        return StreamMoments(means, covariances, cross, n)

@@ -1,0 +1,262 @@
+"""ReplaceMe variants: constrained estimators, span criteria, several spans, greedy selection."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from conftest import random_calibration, tiny_model
+from test_baselines import _make_blocks_identity
+
+import blockfold
+from blockfold.adapters import get_adapter
+from blockfold.errors import BlockfoldError
+from blockfold.estimate import fit_diagonal, fit_lowrank, fit_lstsq, fit_orthogonal, fit_span_map
+from blockfold.recipe import Recipe
+from blockfold.select import best_spans, linear_cka, split_budget
+from blockfold.select.linearity import canonical_correlations
+from blockfold.stats import LinearStatistics, NormalEquations
+from blockfold.stats.similarity import StreamSimilarity
+
+
+def _equations(x: torch.Tensor, y: torch.Tensor) -> NormalEquations:
+    return NormalEquations(x.T @ x, x.T @ y, float((y * y).sum()), float(((x - y) ** 2).sum()), x.shape[0])
+
+
+def _data(transform: torch.Tensor, noise: float = 0.0, tokens: int = 4000, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    d = transform.shape[0]
+    x = torch.randn(tokens, d, generator=generator, dtype=torch.float64) * torch.linspace(0.5, 3, d, dtype=torch.float64)
+    return x, x @ transform + noise * torch.randn(tokens, d, generator=generator, dtype=torch.float64)
+
+
+D = 24
+
+
+def test_diagonal_recovers_a_diagonal_transform():
+    truth = torch.diag(torch.linspace(-2, 2, D, dtype=torch.float64))
+    transform, info = fit_diagonal(_equations(*_data(truth)))
+    assert torch.allclose(transform, truth, atol=1e-10)
+    assert info["relative_fit_error"] < 1e-20 and info["parameters_fitted"] == D
+
+
+def test_diagonal_is_the_best_diagonal_under_noise():
+    """With noise and correlated inputs the closed form still minimises the error over diagonals."""
+    truth = torch.diag(torch.linspace(0.5, 1.5, D, dtype=torch.float64)) + 0.05 * torch.randn(D, D, dtype=torch.float64)
+    equations = _equations(*_data(truth, noise=0.3))
+    transform, info = fit_diagonal(equations)
+    for _ in range(20):
+        nudged = transform + torch.diag(0.01 * torch.randn(D, dtype=torch.float64))
+        assert equations.relative_residual(nudged) >= info["relative_fit_error"]
+
+
+def test_orthogonal_recovers_a_rotation():
+    truth, _ = torch.linalg.qr(torch.randn(D, D, dtype=torch.float64, generator=torch.Generator().manual_seed(3)))
+    transform, info = fit_orthogonal(_equations(*_data(truth, noise=0.01)))
+    assert torch.allclose(transform @ transform.T, torch.eye(D, dtype=torch.float64), atol=1e-10)
+    assert (transform - truth).abs().max() < 1e-2
+    assert info["relative_fit_error"] < 1e-3
+
+
+def test_lowrank_recovers_identity_plus_low_rank():
+    generator = torch.Generator().manual_seed(4)
+    u, v = torch.randn(D, 3, generator=generator, dtype=torch.float64), torch.randn(3, D, generator=generator, dtype=torch.float64)
+    truth = torch.eye(D, dtype=torch.float64) + u @ v / 3
+    equations = _equations(*_data(truth))
+    transform, info = fit_lowrank(equations, rank=3)
+    assert torch.allclose(transform, truth, atol=1e-8)
+    assert torch.linalg.matrix_rank(transform - torch.eye(D, dtype=torch.float64)) == 3
+    # a rank-1 correction cannot fit it, but does better than the identity, and no better than lstsq
+    _, rank_one = fit_lowrank(equations, rank=1)
+    assert fit_lstsq(equations)[1]["relative_fit_error"] < rank_one["relative_fit_error"] < equations.relative_error_identity()
+
+
+def test_lowrank_with_full_rank_is_lstsq():
+    truth = torch.randn(D, D, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    equations = _equations(*_data(truth, noise=0.5))
+    assert torch.allclose(fit_lowrank(equations, rank=D)[0], fit_lstsq(equations)[0], atol=1e-8)
+
+
+def test_unknown_estimator_and_missing_rank_are_named():
+    equations = _equations(*_data(torch.eye(D, dtype=torch.float64)))
+    with pytest.raises(BlockfoldError, match="--rank"):
+        fit_span_map(equations, "lowrank")
+    with pytest.raises(BlockfoldError, match="unknown estimator"):
+        fit_span_map(equations, "magic")
+
+
+def test_linear_cka_and_cca_of_related_streams():
+    x, y = _data(torch.randn(D, D, dtype=torch.float64, generator=torch.Generator().manual_seed(6)))
+    same = _moments(x, x)
+    assert linear_cka(same) == pytest.approx(1.0)
+    assert torch.allclose(canonical_correlations(_moments(x, y)), torch.ones(D, dtype=torch.float64), atol=1e-8)
+    unrelated = _moments(x, torch.randn_like(x))
+    assert linear_cka(unrelated) < 0.05
+    assert float(canonical_correlations(unrelated).max()) < 0.2
+
+
+def _moments(x: torch.Tensor, y: torch.Tensor) -> LinearStatistics:
+    mx, my = x.mean(0), y.mean(0)
+    xc, yc = x - mx, y - my
+    n = x.shape[0]
+    return LinearStatistics(mx, my, xc.T @ xc / n, yc.T @ yc / n, yc.T @ xc / n, n, math.nan, {})
+
+
+def test_stream_similarity_matches_direct_moments(tokenizer):
+    """Streamed, sharded moments of (h[s], h[s+2]) equal those computed from the full hidden states."""
+    model = tiny_model("llama")
+    adapter = get_adapter(model)
+    calibration = random_calibration()
+    from blockfold.stats import stream_activations
+
+    shards = [StreamSimilarity(6, [2]), StreamSimilarity(6, [2])]
+    for shard, batch in zip(shards, calibration.batches):
+        stream_activations(model, adapter, [batch], [shard])
+    moments = shards[0].merge(shards[1]).finalize()
+    ids = torch.cat([b.input_ids for b in calibration.batches])
+    with torch.no_grad():
+        hidden = model.model(ids, output_hidden_states=True).hidden_states
+    # hidden_states[k] enters block k, except the last, which is after the final norm
+    x, y = hidden[1].reshape(-1, 32).double(), hidden[3].reshape(-1, 32).double()
+    direct = _moments(x, y)
+    pair = moments.pair(1, 2)
+    assert torch.allclose(pair.cov_yx, direct.cov_yx, atol=1e-8 * float(direct.cov_yx.abs().max()))
+    assert torch.allclose(pair.cov_xx, direct.cov_xx, atol=1e-8 * float(direct.cov_xx.abs().max()))
+
+
+def test_split_budget_and_best_spans_merge_touching_spans():
+    assert split_budget(8, 2) == [4, 4] and split_budget(8, 3) == [3, 3, 2]
+    scores = np.full((11, 4), 5.0)
+    scores[0] = np.nan
+    scores[2, 2], scores[7, 1] = 0.1, 0.2  # the best pair: 2-3 and 7
+    assert [(c.start, c.length) for c in best_spans(scores, [2, 1], "x")] == [(2, 2), (7, 1)]
+    scores[4, 1] = 0.0  # now 2-3 and 4 are best: they touch and become one span
+    assert [(c.start, c.length) for c in best_spans(scores, [2, 1], "x")] == [(2, 3)]
+    with pytest.raises(BlockfoldError, match="do not fit"):
+        best_spans(np.full((4, 4), np.nan), [1, 1], "x")
+
+
+@pytest.mark.parametrize("criterion", ["fit_error", "fit_error_stream", "angular_last", "cka"])
+def test_greedy_removes_scattered_do_nothing_blocks(tokenizer, criterion):
+    """Blocks 1 and 4 pass their input through: one contiguous span cannot take both, greedy does,
+    with a fitted map that is the identity, so the logits do not move."""
+    model = tiny_model("llama")
+    _make_blocks_identity(model, [1, 4])
+    ids = torch.randint(4, 96, (2, 16))
+    with torch.no_grad():
+        expected = model(ids).logits
+    result = blockfold.compress(model, tokenizer, {"blocks": 2, "greedy": True, "criterion": criterion},
+                                calibration=random_calibration(num_sequences=16))
+    manifest = result.manifest
+    assert manifest["removed_blocks"] == [1, 4]
+    assert sorted(manifest["selection"]["order"]) == [1, 4] and len(manifest["spans"]) == 2
+    with torch.no_grad():
+        assert (model(ids).logits - expected).abs().max() < 1e-3
+
+
+def test_greedy_order_follows_the_criterion_after_each_removal(tokenizer):
+    """The first round's candidates are every removable block; the chosen one scores lowest."""
+    model = tiny_model("llama")
+    _make_blocks_identity(model, [3])
+    result = blockfold.compress(model, tokenizer, {"blocks": 2, "greedy": True}, calibration=random_calibration())
+    steps = result.manifest["selection"]["greedy_steps"]
+    assert steps[0]["block"] == 3 and steps[0]["score"] == min(steps[0]["candidates"].values())
+    assert set(steps[0]["candidates"]) == {1, 2, 3, 4, 5} and 3 not in steps[1]["candidates"]
+
+
+def test_two_spans_each_get_a_transform(tokenizer):
+    model = tiny_model("llama")
+    _make_blocks_identity(model, [1, 3, 4])
+    ids = torch.randint(4, 96, (2, 16))
+    with torch.no_grad():
+        expected = model(ids).logits
+    result = blockfold.compress(model, tokenizer, {"blocks": 3, "spans": 2}, calibration=random_calibration(num_sequences=16))
+    manifest = result.manifest
+    assert manifest["removed_blocks"] == [1, 3, 4]
+    assert [span["blocks"] for span in manifest["spans"]] == [[1], [3, 4]]
+    assert [span["folded_into_block"] for span in manifest["spans"]] == [0, 2]
+    assert "transform" not in manifest  # one per span instead
+    with torch.no_grad():
+        assert (model(ids).logits - expected).abs().max() < 1e-3
+
+
+def test_touching_spans_become_one_transform(tokenizer):
+    model = tiny_model("llama")
+    _make_blocks_identity(model, [2, 3])
+    result = blockfold.compress(model, tokenizer, {"blocks": 2, "spans": 2}, calibration=random_calibration(num_sequences=16))
+    assert [span["blocks"] for span in result.manifest["spans"]] == [[2, 3]]
+    assert result.manifest["transform_folded_into_block"] == 1
+
+
+@pytest.mark.parametrize("estimator", ["diagonal", "orthogonal", "lowrank"])
+def test_constrained_estimators_fold_their_constrained_map(tokenizer, estimator):
+    """The folded down-projection equals Tᵀ·W_down for a T in the estimator's family."""
+    model = tiny_model("llama")
+    adapter = get_adapter(model)
+    recipe = {"blocks": 2, "estimator": estimator, "span_start": 2, **({"rank": 4} if estimator == "lowrank" else {})}
+    before = adapter.down_proj(adapter.layers(model)[1]).weight.detach().double().clone()
+    result = blockfold.compress(model, tokenizer, recipe, calibration=random_calibration())
+    after = adapter.down_proj(adapter.layers(model)[1]).weight.detach().double()
+    transform = torch.linalg.lstsq(before.T, after.T).solution  # after = Tᵀ before  ⇔  afterᵀ = beforeᵀ T
+    identity = torch.eye(32, dtype=torch.float64)
+    if estimator == "diagonal":
+        assert (transform - torch.diag(transform.diagonal())).abs().max() < 1e-4
+    elif estimator == "orthogonal":
+        assert (transform @ transform.T - identity).abs().max() < 1e-4
+    else:
+        assert torch.linalg.matrix_rank(transform - identity, atol=1e-4) == 4
+    fit = result.manifest["transform"]
+    assert fit["estimator"] == estimator
+    assert fit["relative_fit_error"] >= blockfold.compress(
+        tiny_model("llama"), tokenizer, {"blocks": 2, "span_start": 2}, calibration=random_calibration()
+    ).manifest["transform"]["relative_fit_error"] - 1e-9, "no constrained map beats unconstrained least squares"
+
+
+def test_cosine_l1_penalty_shrinks_the_transform(tokenizer):
+    sums = []
+    for penalty in (0.0, 0.05):
+        model = tiny_model("llama")
+        adapter = get_adapter(model)
+        recipe = {"blocks": 2, "span_start": 2, "estimator": "cosine", "cosine": {"l1_penalty": penalty, "steps": 30}}
+        before = adapter.down_proj(adapter.layers(model)[1]).weight.detach().double().clone()
+        result = blockfold.compress(model, tokenizer, recipe, calibration=random_calibration())
+        after = adapter.down_proj(adapter.layers(model)[1]).weight.detach().double()
+        sums.append(float(torch.linalg.lstsq(before.T, after.T).solution.abs().sum()))
+        assert result.manifest["transform"]["numerical_fit"]["l1_penalty"] == penalty
+    assert sums[1] < sums[0]
+
+
+def test_every_criterion_is_recorded_for_every_candidate(tokenizer):
+    result = blockfold.compress(tiny_model("llama"), tokenizer, {"blocks": 2}, calibration=random_calibration())
+    selection = result.manifest["selection"]
+    assert selection["criterion"] == "fit_error_stream"
+    scores = selection["scores_per_criterion"]
+    assert set(scores) == {"angular_last", "angular_all", "block_influence", "cka", "cca", "fit_error", "fit_error_stream"}
+    assert all(set(values) == {1, 2, 3, 4} for values in scores.values())
+    assert selection["start"] == min(scores["fit_error_stream"], key=scores["fit_error_stream"].get)
+
+
+def test_uidl_still_selects_by_angular_distance(tokenizer):
+    result = blockfold.compress(tiny_model("llama"), tokenizer, {"method": "uidl", "blocks": 2}, calibration=random_calibration())
+    assert result.manifest["selection"]["criterion"] == "angular_last"
+
+
+@pytest.mark.parametrize("recipe, message", [
+    ({"estimator": "lstsq", "rank": 4}, "lowrank estimator only"),
+    ({"spans": 2, "greedy": True}, "cannot be combined"),
+    ({"spans": 2, "span_start": 3}, "cannot be combined"),
+    ({"method": "nbl", "spans": 2}, "applies to"),
+    ({"calibration": {"source": "a.jsonl:0.5,b.jsonl"}}, "every part a weight"),
+    ({"calibration": {"source": "a.jsonl:0,b.jsonl:1"}}, "positive"),
+])
+def test_recipe_rejects_inconsistent_variants(recipe, message):
+    with pytest.raises(BlockfoldError, match=message):
+        Recipe.parse(recipe)
+
+
+def test_lowrank_defaults_to_rank_32_and_spans_must_fit_the_budget():
+    assert Recipe.parse({"estimator": "lowrank"}).rank == 32
+    with pytest.raises(BlockfoldError, match="--spans at most 2"):
+        Recipe.parse({"blocks": 2, "spans": 3}).num_blocks_to_remove(6)
