@@ -1,0 +1,113 @@
+"""Optional, cheap healing of a compressed model by next-token training on a little text.
+
+Two modes, both leaving a standard checkpoint (no new parameters):
+
+* ``lt``: train only the down-projections the ReplaceMe maps were folded into (the paper's "train
+  only the linear transform"; the manifest names them), everything else frozen;
+* ``lora``: LoRA adapters (peft) on every linear layer of the decoder blocks, merged back into the
+  weights after training.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel
+
+from blockfold.adapters import get_adapter
+from blockfold.data import CalibrationSet
+from blockfold.errors import BlockfoldError
+from blockfold.recipe import HealConfig
+
+
+def folded_blocks(manifest: dict | None) -> list[int]:
+    """Current indices of the blocks whose down-projection holds a folded map, from the manifest
+    (which records them in the original numbering)."""
+    if not manifest or manifest.get("method") not in ("replaceme", None) or "removed_blocks" not in manifest:
+        raise BlockfoldError(
+            "--mode lt trains the down-projections ReplaceMe folded its maps into, and this model has no ReplaceMe "
+            "manifest naming them: heal a blockfold replaceme output, or use --mode lora"
+        )
+    removed = manifest["removed_blocks"]
+    spans = manifest.get("spans") or [{"folded_into_block": manifest["transform_folded_into_block"]}]
+    original = sorted({span["folded_into_block"] for span in spans if span.get("transform", {}).get("estimator") != "identity"})
+    if not original:
+        raise BlockfoldError("this model's spans were removed without a map (identity estimator): use --mode lora")
+    return [block - sum(1 for r in removed if r < block) for block in original]
+
+
+def _trainable_lt(model: PreTrainedModel, blocks: list[int]) -> list[torch.nn.Parameter]:
+    adapter = get_adapter(model)
+    model.requires_grad_(False)
+    parameters = []
+    for block in blocks:
+        weight = adapter.down_proj(adapter.layers(model)[block]).weight
+        weight.requires_grad_(True)
+        parameters.append(weight)
+    return parameters
+
+
+def _lora_targets(model: PreTrainedModel) -> list[str]:
+    """Names (suffixes) of every nn.Linear inside the decoder blocks."""
+    adapter = get_adapter(model)
+    names = set()
+    for layer in adapter.layers(model):
+        names.update(name.rsplit(".", 1)[-1] for name, module in layer.named_modules() if isinstance(module, torch.nn.Linear))
+    return sorted(names)
+
+
+def heal(model: PreTrainedModel, data: CalibrationSet, config: HealConfig, manifest: dict | None = None) -> PreTrainedModel:
+    """Train ``model`` as ``config`` says on ``data``'s batches; returns the (merged) model and
+    records what was done in ``manifest["healing"]`` when a manifest is given."""
+    torch.manual_seed(config.seed)
+    device = next(model.parameters()).device
+    if config.mode == "lt":
+        blocks = folded_blocks(manifest)
+        parameters = _trainable_lt(model, blocks)
+        trained = model
+        what = {"blocks": blocks}
+    else:
+        from peft import LoraConfig, get_peft_model
+
+        targets = _lora_targets(model)
+        model.requires_grad_(False)
+        trained = get_peft_model(model, LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=0.0,
+                                                   target_modules=targets, bias="none"))
+        parameters = [p for p in trained.parameters() if p.requires_grad]
+        what = {"target_modules": targets, "lora_rank": config.lora_rank, "lora_alpha": config.lora_alpha}
+    optimizer = torch.optim.AdamW(parameters, lr=config.learning_rate, weight_decay=0.0)
+    batches = list(data)
+    if not batches:
+        raise BlockfoldError("healing data has no batches: give a non-empty --data")
+    trained.train()
+    losses, started = [], time.perf_counter()
+    progress = tqdm(range(config.steps), desc=f"healing ({config.mode})", unit="step")
+    for step in progress:
+        batch = batches[step % len(batches)]
+        ids, mask = batch.input_ids.to(device), batch.attention_mask.to(device)
+        labels = ids.masked_fill(mask == 0, -100)
+        loss = trained(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
+        value = float(loss.detach())
+        if not math.isfinite(value):
+            raise BlockfoldError(f"healing diverged at step {step} (loss {value}): lower --lr")
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(value)
+        progress.set_postfix(loss=f"{value:.3f}")
+    trained.eval()
+    if config.mode == "lora":
+        model = trained.merge_and_unload()
+    model.requires_grad_(False)
+    window = max(1, min(10, len(losses) // 4))
+    if manifest is not None:
+        manifest["healing"] = {
+            **config.model_dump(mode="json", exclude={"data"}), **what, "data": data.description,
+            "trained_parameters": sum(p.numel() for p in parameters),
+            "loss_first_steps": sum(losses[:window]) / window, "loss_last_steps": sum(losses[-window:]) / window,
+            "seconds": time.perf_counter() - started,
+        }
+    return model

@@ -1,0 +1,81 @@
+"""Healing: only the intended weights move, the training loss falls, the result is a plain checkpoint."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import random_calibration, tiny_model, tiny_tokenizer
+from transformers import AutoModelForCausalLM
+
+import blockfold
+from blockfold.adapters import get_adapter
+from blockfold.cli import main
+from blockfold.errors import BlockfoldError
+from blockfold.heal import folded_blocks, heal
+from blockfold.recipe import HealConfig
+
+
+def _compressed(recipe):
+    model = tiny_model("llama")
+    result = blockfold.compress(model, tiny_tokenizer(), recipe, calibration=random_calibration())
+    return model, result.manifest
+
+
+def test_folded_blocks_are_renumbered_after_removal():
+    manifest = {"method": "replaceme", "removed_blocks": [1, 3, 4],
+                "spans": [{"blocks": [1], "folded_into_block": 0, "transform": {"estimator": "lstsq"}},
+                          {"blocks": [3, 4], "folded_into_block": 2, "transform": {"estimator": "lstsq"}}]}
+    assert folded_blocks(manifest) == [0, 1]
+    with pytest.raises(BlockfoldError, match="--mode lora"):
+        folded_blocks({"method": "nbl", "replaced": {}})
+    with pytest.raises(BlockfoldError, match="--mode lora"):
+        folded_blocks(None)
+
+
+def test_lt_healing_trains_only_the_folded_down_projection():
+    model, manifest = _compressed({"blocks": 2, "span_start": 3})
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    config = HealConfig(mode="lt", steps=30, learning_rate=3e-3)
+    healed = heal(model, random_calibration(num_sequences=4, seed=5), config, manifest)
+    changed = {name for name, p in healed.named_parameters() if not torch.equal(p, before[name])}
+    assert changed == {"model.layers.2.mlp.down_proj.weight"}
+    record = manifest["healing"]
+    assert record["blocks"] == [2] and record["trained_parameters"] == 32 * 64
+    assert record["loss_last_steps"] < record["loss_first_steps"]
+
+
+def test_lora_healing_merges_into_a_plain_model():
+    model, manifest = _compressed({"blocks": 2})
+    count = sum(p.numel() for p in model.parameters())
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    healed = heal(model, random_calibration(num_sequences=4, seed=5), HealConfig(mode="lora", steps=20, learning_rate=3e-3),
+                  manifest)
+    assert type(healed).__name__ == "LlamaForCausalLM"
+    assert not any("lora" in name for name, _ in healed.named_parameters())
+    assert sum(p.numel() for p in healed.parameters()) == count
+    assert not torch.equal(dict(healed.named_parameters())["model.layers.0.self_attn.q_proj.weight"],
+                           before["model.layers.0.self_attn.q_proj.weight"])
+    assert manifest["healing"]["loss_last_steps"] < manifest["healing"]["loss_first_steps"]
+    assert set(manifest["healing"]["target_modules"]) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+
+
+def test_heal_cli_saves_a_checkpoint_plain_transformers_loads(tmp_path):
+    model, manifest = _compressed({"blocks": 2})
+    from blockfold.surgery import save_compressed
+
+    source = save_compressed(model, tiny_tokenizer(), tmp_path / "rm2", manifest, "method: replaceme\n")
+    data = tmp_path / "train.jsonl"
+    data.write_text("\n".join(json.dumps({"text": " ".join(f"w{(i * k) % 90}" for i in range(80))}) for k in range(1, 12)))
+    out = tmp_path / "healed"
+    code = main(["heal", "--model", str(source), "--data", str(data), "--out", str(out), "--steps", "3",
+                 "--num-seqs", "4", "--seq-len", "32", "--batch-size", "2"])
+    assert code == 0
+    saved = json.loads((out / "blockfold_manifest.json").read_text())
+    assert saved["healing"]["mode"] == "lt" and saved["removed_blocks"] == manifest["removed_blocks"]
+    assert (out / "blockfold_recipe.yaml").read_text() == "method: replaceme\n"
+    reloaded = AutoModelForCausalLM.from_pretrained(out)
+    assert get_adapter(reloaded).num_layers(reloaded) == 4
+    assert main(["heal", "--model", str(source), "--data", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "x")]) == 2
+    assert not (tmp_path / "x").exists()
