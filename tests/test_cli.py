@@ -205,3 +205,29 @@ def test_budget_flags_are_checked(capsys, tiny_folder, corpus, tmp_path):
     assert code == 2 and "does not apply to method 'nbl'" in err and not (tmp_path / "o").exists()
     code, err = _run(capsys, "bench", "--model", str(tiny_folder))
     assert code == 2 and "--against" in err
+
+
+def test_compress_variants_through_the_cli(capsys, tiny_folder, corpus, tmp_path):
+    out = tmp_path / "two-spans"
+    code = main(_compress_args(tiny_folder, corpus, out, "--blocks", "3", "--spans", "2", "--estimator", "lowrank",
+                               "--rank", "4", "--criterion", "cka", "--calib", f"{corpus}:0.5,{corpus}:0.5"))
+    printed = capsys.readouterr().out
+    assert code == 0 and "maps (relative fit error)" in printed and "rank 4" in printed
+    manifest = json.loads((out / MANIFEST_NAME).read_text())
+    assert len(manifest["removed_blocks"]) == 3 and manifest["selection"]["criterion"] == "cka"
+    assert all(span["transform"]["estimator"] == "lowrank" for span in manifest["spans"])
+    assert [part["weight"] for part in manifest["calibration"]["mix"]] == [0.5, 0.5]
+    recipe = Recipe.from_yaml(out / "blockfold_recipe.yaml")
+    assert (recipe.spans, recipe.rank, recipe.estimator) == (2, 4, "lowrank")
+
+
+@pytest.mark.parametrize("argv, needles", [
+    (["--rank", "4"], ["rank", "lowrank estimator only"]),
+    (["--spans", "2", "--greedy"], ["cannot be combined"]),
+    (["--calib", "missing.jsonl:0.5,other.jsonl:0.5"], ["missing.jsonl not found"]),
+])
+def test_inconsistent_variant_flags_are_refused(capsys, tiny_folder, corpus, tmp_path, argv, needles):
+    out = tmp_path / "refused"
+    code, err = _run(capsys, *_compress_args(tiny_folder, corpus, out, "--blocks", "2"), *argv)
+    _assert_one_line_error(code, err, *needles)
+    assert not out.exists()

@@ -197,7 +197,8 @@ def cmd_compress(args) -> int:
     selection = manifest["selection"]
     rows = [
         ("model", f"{args.model} ({manifest['architecture']['model_type']})"),
-        ("method", recipe.method + {"replaceme": f" / {recipe.estimator}", "nbl": f" / {recipe.linearity_criterion}",
+        ("method", recipe.method + {"replaceme": f" / {recipe.estimator}" + (f" (rank {recipe.rank})" if recipe.rank else ""),
+                                    "nbl": f" / {recipe.linearity_criterion}",
                                     "nbl-block": f" / {recipe.linearity_criterion}"}.get(recipe.method, "")),
         _changes(manifest),
         ("parameters", f"{manifest['original_parameters'] / 1e6:.1f}M -> {manifest['parameters'] / 1e6:.1f}M "
@@ -210,6 +211,10 @@ def cmd_compress(args) -> int:
     ]
     if manifest.get("fits"):
         rows.append(("LMMSE relative error", ", ".join(f"{layer}: {info['nmse']:.3f}" for layer, info in manifest["fits"].items())))
+    if len(manifest.get("spans", [])) > 1:
+        rows.append(("maps (relative fit error)", ", ".join(
+            f"{_span(span['blocks'])} -> block {span['folded_into_block']}: {span['transform']['relative_fit_error']:.3f}"
+            for span in manifest["spans"])))
     fit = manifest.get("transform")
     if fit:
         rows.append(("relative fit error", f"{fit['relative_fit_error']:.4f} (plain removal {fit['relative_error_plain_removal']:.4f})"))
