@@ -21,7 +21,8 @@ RECIPE_FLAGS = {
     "ridge_alpha": "ridge_alpha", "criterion": "criterion", "span_start": "span_start",
     "attn": "attention_layers", "linearity_criterion": "linearity_criterion", "greedy": "greedy",
     "sandwich_fold": "sandwich_fold", "rank": "rank", "spans": "spans", "cosine_l1": "cosine.l1_penalty",
-    "text_template": "calibration.text_template",
+    "text_template": "calibration.text_template", "gen_temperature": "calibration.generation_temperature",
+    "gen_top_p": "calibration.generation_top_p",
     "calib": "calibration.source", "num_seqs": "calibration.num_sequences",
     "seq_len": "calibration.sequence_length", "calib_docs": "calibration.max_documents",
     "text_field": "calibration.text_field", "batch_size": "calibration.batch_size",
@@ -73,6 +74,8 @@ def _add_compress(sub) -> None:
     p.add_argument("--calib", help="calibration .txt/.jsonl/.json, a datasets folder (save_to_disk) or dataset name; "
                                     "a weighted mix 'a.jsonl:0.5,b.json:0.5'; omit for self-generated text")
     p.add_argument("--text-template", help="render records with a template, e.g. '{support}\\n{question}\\n{correct_answer}'")
+    p.add_argument("--gen-temperature", type=float, help="self-generated calibration: sampling temperature (default 1.0)")
+    p.add_argument("--gen-top-p", type=float, help="self-generated calibration: nucleus sampling top-p (default 0.95)")
     p.add_argument("--num-seqs", type=int, help="calibration sequences (default 64)")
     p.add_argument("--seq-len", type=int, help="calibration sequence length (default 512)")
     p.add_argument("--calib-docs", type=int, help="use only the first N documents")
@@ -124,6 +127,7 @@ def _add_heal(sub) -> None:
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--data-docs", type=int, help="use only the first N documents")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="auto", help="where to train: auto (a GPU when there is one), cpu, cuda, cuda:1, ...")
     p.add_argument("--ppl", nargs="?", const=str(DEFAULT_PPL_TEXT), help="also measure perplexity before/after on this text")
     p.add_argument("--ppl-windows", type=int, default=None)
 
@@ -303,7 +307,11 @@ def cmd_heal(args) -> int:
     check_output_folder(args.out, args.overwrite)
     _check_calibration_source(config.data.source, "--data")
     manifest = (read_manifest(args.model) if Path(args.model).is_dir() else None) or {}
+    import torch
+
     loaded = load_model(args.model)
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    loaded.model.to(device)
     data = build_calibration(config.data, loaded.tokenizer, loaded.model)
     windows = None
     if args.ppl:
@@ -320,7 +328,7 @@ def cmd_heal(args) -> int:
     rows = [("model", args.model), ("mode", f"{config.mode} ({healing['trained_parameters']:,} trained parameters)"),
             ("steps", f"{config.steps} x {config.data.batch_size} x {config.data.sequence_length} tokens, lr {config.learning_rate:g}"),
             ("training loss", f"{healing['loss_first_steps']:.3f} -> {healing['loss_last_steps']:.3f}"),
-            ("time", f"{healing['seconds']:.1f} s")]
+            ("time", f"{healing['seconds']:.1f} s on {device}")]
     if windows is not None:
         rows.append(("perplexity", f"{before['perplexity']:.2f} -> {after['perplexity']:.2f}"))
     rows.append(("saved", str(out)))
