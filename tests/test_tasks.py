@@ -67,3 +67,34 @@ def test_relative_performance_arithmetic():
     assert rp["average"]["stderr"] == pytest.approx(math.hypot(rp["tasks"]["piqa"]["stderr"], 0.02) / 2)
     with pytest.raises(BlockfoldError, match="nothing to compare"):
         relative_performance(compressed, {}, "acc")
+
+
+@needs_harness
+@needs_wheel
+def test_eval_cli_tasks_with_relative_performance_and_a_cache_keyed_by_weights(tmp_path, monkeypatch, capsys):
+    import json
+
+    from blockfold.cli import main
+
+    monkeypatch.setenv("BLOCKFOLD_CACHE", str(tmp_path / "cache"))
+    original, other = tmp_path / "a", tmp_path / "b"
+    tiny_model("llama").save_pretrained(original)
+    tiny_model("llama", seed=1).save_pretrained(other)
+    for folder in (original, other):
+        tiny_tokenizer().save_pretrained(folder)
+    argv = ["eval", "--model", str(other), "--baseline", str(original), "--tasks", "piqa,arc_easy", "--limit", "3",
+            "--batch-size", "3", "--json", str(tmp_path / "r.json")]
+    assert main(argv) == 0
+    first = json.loads((tmp_path / "r.json").read_text())
+    assert set(first["relative_performance"]["tasks"]) <= {"piqa", "arc_easy"} and "perplexity" not in first["model"]
+    assert not any(r.get("cached") for r in first["original"]["tasks"].values())
+    assert main(argv) == 0
+    second = json.loads((tmp_path / "r.json").read_text())
+    assert all(r["cached"] for r in second["original"]["tasks"].values())
+    assert second["original"]["tasks"]["piqa"]["metrics"] == first["original"]["tasks"]["piqa"]["metrics"]
+    # the same folder with other weights is not served the old result
+    tiny_model("llama", seed=2).save_pretrained(original)
+    assert main(argv) == 0
+    third = json.loads((tmp_path / "r.json").read_text())
+    assert not any(r.get("cached") for r in third["original"]["tasks"].values())
+    assert "RP average" in capsys.readouterr().out

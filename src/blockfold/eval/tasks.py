@@ -195,3 +195,33 @@ def relative_performance(compressed: dict[str, dict], original: dict[str, dict],
     average = sum(v["rp"] for v in per_task.values()) / count
     average_se = math.sqrt(sum(v["stderr"] ** 2 for v in per_task.values())) / count
     return {"metric": metric, "tasks": per_task, "average": {"rp": average, "stderr": average_se}}
+
+
+def cached_evaluate(model, tokenizer, names: list[str], cache: Path | None, fingerprint: str, **options) -> dict[str, dict]:
+    """``evaluate_tasks`` with each task's result kept under ``cache``, keyed by the weights'
+    fingerprint (not the model's name or folder, which can hold other weights later), the task, the
+    few-shot count, the limit, the data source and the harness version."""
+    import json
+    import tempfile
+    from importlib.metadata import version
+
+    results, missing = {}, []
+    key = (f"fs{options.get('fewshot', 0)}-limit{options.get('limit')}-{options.get('data', 'offline')}"
+           f"-lmeval{version('lm-eval')}")
+    for name in names:
+        path = cache / fingerprint / f"{name}-{key}.json" if cache else None
+        if path is not None and path.is_file():
+            results[name] = {**json.loads(path.read_text()), "cached": True}
+        else:
+            missing.append(name)
+    if missing:
+        fresh = evaluate_tasks(model, tokenizer, missing, **options)
+        for name, result in fresh.items():
+            results[name] = result
+            if cache:
+                folder = cache / fingerprint
+                folder.mkdir(parents=True, exist_ok=True)
+                with tempfile.NamedTemporaryFile("w", dir=folder, delete=False, suffix=".partial") as handle:
+                    json.dump(result, handle)
+                os.replace(handle.name, folder / f"{name}-{key}.json")
+    return {name: results[name] for name in names}
