@@ -140,6 +140,18 @@ def _add_heal(sub) -> None:
     p.add_argument("--ppl-windows", type=int, default=None)
 
 
+def _add_analyze(sub) -> None:
+    p = sub.add_parser("analyze", help="where the redundancy lies: span distances, layer similarity, linearity (one pass)")
+    p.add_argument("--model", required=True)
+    p.add_argument("--calib", help="calibration source, as for compress (default: self-generated)")
+    p.add_argument("--out", required=True, help="folder for analysis.json and the PNG figures")
+    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--num-seqs", type=int, default=64)
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--calib-docs", type=int)
+    p.add_argument("--cka-tokens", type=int, default=1024, help="random tokens the CKA matrix is computed on")
+
+
 def _recipe_from_args(args):
     from blockfold.recipe import Recipe
 
@@ -369,6 +381,33 @@ def cmd_heal(args) -> int:
     return 0
 
 
+def cmd_analyze(args) -> int:
+    from blockfold.analyze import analyze
+    from blockfold.data import build_calibration
+    from blockfold.models import load_model
+    from blockfold.recipe import CalibrationConfig
+    from blockfold.surgery import check_output_folder
+
+    config = CalibrationConfig.parse({"source": args.calib, "num_sequences": args.num_seqs,
+                                      "sequence_length": args.seq_len, "max_documents": args.calib_docs},
+                                     origin="calibration options")
+    check_output_folder(args.out, args.overwrite)
+    _check_calibration_source(config.source)
+    loaded = load_model(args.model)
+    result = analyze(loaded.model, build_calibration(config, loaded.tokenizer, loaded.model), Path(args.out),
+                     args.cka_tokens, overwrite=args.overwrite)
+    best = result["best_span_per_length"]
+    rows = [("model", f"{args.model} ({result['num_layers']} blocks)"),
+            ("calibration", f"{result['calibration']['source']}: {result['calibration']['tokens']} tokens"),
+            ("best span per length (angular_last)", ", ".join(f"{n}: {b['blocks'][0]}-{b['blocks'][1]}" for n, b in
+                                                              list(best.items())[:12])),
+            ("most linear attention (cca)", ", ".join(str(i) for i in sorted(
+                range(result["num_layers"]), key=result["linearity"]["attention"]["cca"].__getitem__)[:6])),
+            ("figures", ", ".join(result["figures"].values())), ("saved", args.out)]
+    _print_table(rows, "blockfold analyze")
+    return 0
+
+
 def _source_of(spec: str) -> str:
     """The model a compressed folder was made from, from its manifest."""
     from blockfold.surgery import read_manifest
@@ -427,6 +466,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_eval(sub)
     _add_bench(sub)
     _add_heal(sub)
+    _add_analyze(sub)
     return parser
 
 
@@ -434,7 +474,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     warnings.simplefilter("default")
     try:
-        return {"compress": cmd_compress, "eval": cmd_eval, "bench": cmd_bench, "heal": cmd_heal}[args.command](args)
+        return {"compress": cmd_compress, "eval": cmd_eval, "bench": cmd_bench, "heal": cmd_heal,
+                "analyze": cmd_analyze}[args.command](args)
     except BlockfoldError as err:
         print(f"blockfold: error: {err}", file=sys.stderr)
         return 2

@@ -97,3 +97,45 @@ class StreamSimilarity:
         cross = {(s, length): value / n - torch.outer(means[s + length], means[s])
                  for (s, length), value in self._cross.items()}
         return StreamMoments(means, covariances, cross, n)
+
+
+class StreamSubsample:
+    """Observer: the residual stream at every boundary for a fixed random subset of tokens (at most
+    ``max_tokens``, the same tokens at every boundary), for measures that need whole pairs of
+    layers (CKA between all layer pairs) without (L+1)² cross-moment matrices."""
+
+    def __init__(self, num_layers: int, max_tokens: int, total_tokens: int, seed: int = 0):
+        self.num_layers = num_layers
+        self.last_layer = num_layers - 1
+        self.max_tokens = max_tokens
+        self.keep_probability = min(1.0, max_tokens / max(total_tokens, 1))
+        self.generator = torch.Generator().manual_seed(seed)
+        self._keep: torch.Tensor | None = None
+        self._rows: dict[int, list[torch.Tensor]] = {k: [] for k in range(num_layers + 1)}
+
+    def on_layer(self, acts: LayerActivations) -> None:
+        if acts.index == 0:
+            count = acts.block_in.shape[0]
+            self._keep = (torch.rand(count, generator=self.generator) < self.keep_probability).to(acts.block_in.device)
+            self._rows[0].append(acts.block_in[self._keep].float().cpu())
+        self._rows[acts.index + 1].append(acts.block_out[self._keep].float().cpu())
+
+    def end_batch(self) -> None:
+        self._keep = None
+
+    def hidden(self) -> list[torch.Tensor]:
+        """``[h[0], ..., h[L]]``, each (tokens, d) for the same sampled tokens."""
+        return [torch.cat(rows)[: self.max_tokens] for rows in self._rows.values()]
+
+
+def pairwise_linear_cka(hidden: list[torch.Tensor]) -> torch.Tensor:
+    """Linear CKA between every pair of boundaries from token rows, in the kernel form
+    ``⟨K_i, K_j⟩ / (‖K_i‖ ‖K_j‖)`` with centred Gram matrices ``K = X_c X_cᵀ`` (cheaper than d×d cross
+    products for every pair when tokens < d·L)."""
+    grams = []
+    for h in hidden:
+        centred = h.double() - h.double().mean(0)
+        gram = centred @ centred.T
+        grams.append(gram / gram.norm().clamp(min=1e-300))
+    flat = torch.stack([g.reshape(-1) for g in grams])
+    return flat @ flat.T

@@ -1,0 +1,103 @@
+"""``blockfold analyze``: where the redundancy lies, from one calibration pass.
+
+Writes ``analysis.json`` and PNG figures: the angular distance of every span (start × length) with
+the best span per length; cosine and linear-CKA similarity between the residual streams at every
+pair of layer boundaries; and per-layer linearity (CCA bound, NMSE) of attention sublayers and of
+whole blocks. Cosine and distances are exact over all calibration tokens; CKA uses a fixed random
+subset of tokens (``cka_tokens``), since exact streaming CKA for all pairs needs (L+1)² d×d sums.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from blockfold.adapters import get_adapter
+from blockfold.data import CalibrationSet
+from blockfold.select.linearity import cca_bound, nmse
+from blockfold.stats import SpanStatistics, SublayerLinearity, stream_activations
+from blockfold.stats.similarity import StreamSubsample, pairwise_linear_cka
+from blockfold.report import plots
+from blockfold.surgery import check_output_folder
+
+
+def _finite(array: np.ndarray) -> list:
+    return [[None if not math.isfinite(v) else float(v) for v in row] for row in array.tolist()]
+
+
+def analyze(model, calibration: CalibrationSet, out: Path, cka_tokens: int = 1024, seed: int = 0,
+            overwrite: bool = False) -> dict:
+    """Run the pass and write the folder ``out`` (staged, then renamed into place)."""
+    out = check_output_folder(out, overwrite)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        result = _analyze(model, calibration, stage, cka_tokens, seed)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(stage, out)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    return result
+
+
+def _analyze(model, calibration: CalibrationSet, out: Path, cka_tokens: int, seed: int) -> dict:
+    adapter = get_adapter(model)
+    num_layers = adapter.num_layers(model)
+    spans = SpanStatistics(num_layers, max_length=num_layers)
+    subsample = StreamSubsample(num_layers, cka_tokens, calibration.num_tokens, seed)
+    attention, blocks = SublayerLinearity(num_layers, "attention"), SublayerLinearity(num_layers, "block")
+    started = time.perf_counter()
+    stream_activations(model, adapter, calibration, [spans, subsample, attention, blocks], description="analysis pass")
+    table = spans.finalize()
+    cosine = np.full((num_layers + 1, num_layers + 1), np.nan)
+    for i in range(num_layers + 1):
+        cosine[i, i] = 1.0
+        for j in range(i + 1, num_layers + 1):
+            cosine[i, j] = cosine[j, i] = table.cosine_all[i, j - i]
+    cka = pairwise_linear_cka(subsample.hidden()).numpy()
+    best = {}
+    for length in range(1, num_layers - 1):
+        column = table.angular_last[1:, length]
+        if np.isfinite(column).any():
+            start = 1 + int(np.nanargmin(column))
+            best[length] = {"start": start, "blocks": [start, start + length - 1], "angular_last": float(column[start - 1])}
+    linearity = {}
+    for target, observer in (("attention", attention), ("block", blocks)):
+        statistics = observer.finalize()
+        linearity[target] = {"cca": [cca_bound(s, per_dimension=True) for s in statistics],
+                             "nmse": [nmse(s) for s in statistics],
+                             "cosine": [1.0 - s.mean_cosine for s in statistics]}
+    figures = {
+        "span_angular_last": plots.span_heatmap(table.angular_last, out / "span_angular_last.png",
+                                                "angular distance of each span (last token); dots: best per length"),
+        "similarity_cosine": plots.similarity_matrix(cosine, out / "similarity_cosine.png",
+                                                     "mean cosine between residual streams", "cosine"),
+        "similarity_cka": plots.similarity_matrix(cka, out / "similarity_cka.png",
+                                                  f"linear CKA between residual streams ({subsample.hidden()[0].shape[0]} tokens)",
+                                                  "linear CKA"),
+        "linearity": plots.per_layer_lines(
+            {f"{target} {name}": values[name] for target, values in linearity.items() for name in ("cca", "nmse")},
+            out / "linearity.png", "how linear each sublayer is (lower: a linear map replaces it better)",
+            "CCA bound per dimension / NMSE", log=True),
+    }
+    result = {
+        "format": "blockfold-analysis/1",
+        "num_layers": num_layers,
+        "calibration": calibration.description,
+        "seconds": time.perf_counter() - started,
+        "span_distances": {"angular_last": _finite(table.angular_last), "angular_all": _finite(table.angular_all)},
+        "best_span_per_length": best,
+        "similarity": {"cosine": _finite(cosine), "linear_cka": _finite(cka), "cka_tokens": int(subsample.hidden()[0].shape[0])},
+        "linearity": linearity,
+        "figures": {name: path.name for name, path in figures.items()},
+    }
+    (out / "analysis.json").write_text(json.dumps(result, indent=1))
+    return result
