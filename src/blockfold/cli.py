@@ -152,6 +152,32 @@ def _add_analyze(sub) -> None:
     p.add_argument("--cka-tokens", type=int, default=1024, help="random tokens the CKA matrix is computed on")
 
 
+def _add_sweep(sub) -> None:
+    p = sub.add_parser("sweep", help="every method at every budget: ppl, tasks, RP, size, speed, CO2eq -> RUN_DIR/sweep.json")
+    p.add_argument("--model", required=True)
+    p.add_argument("--out", required=True, help="run folder (then: blockfold report RUN_DIR)")
+    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--methods", default="replaceme,uidl")
+    p.add_argument("--blocks", default="2,4,6,8", help="budgets: blocks, or attention layers for nbl/drop-attn")
+    p.add_argument("--tasks", default="", help="harness tasks, as for eval --tasks")
+    p.add_argument("--limit", type=int)
+    p.add_argument("--fewshot", type=int, default=0)
+    p.add_argument("--ppl", nargs="?", const=str(DEFAULT_PPL_TEXT), default=str(DEFAULT_PPL_TEXT))
+    p.add_argument("--ppl-windows", type=int, default=40)
+    p.add_argument("--calib", help="calibration source (default: self-generated)")
+    p.add_argument("--num-seqs", type=int, default=64)
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--calib-docs", type=int)
+    p.add_argument("--placement", type=int, help="also measure every span start for this many blocks")
+    p.add_argument("--no-analysis", action="store_true", help="skip the analyze pass (heatmaps, similarity)")
+    p.add_argument("--country", default="USA", help="ISO code for codecarbon's carbon intensity (offline tracker)")
+
+
+def _add_report(sub) -> None:
+    p = sub.add_parser("report", help="render RUN_DIR/sweep.json as report.html (self-contained) and report.md")
+    p.add_argument("run_dir")
+
+
 def _recipe_from_args(args):
     from blockfold.recipe import Recipe
 
@@ -408,6 +434,36 @@ def cmd_analyze(args) -> int:
     return 0
 
 
+def cmd_sweep(args) -> int:
+    from blockfold.sweep import SweepConfig, run_sweep
+
+    try:
+        budgets = [int(b) for b in args.blocks.split(",")]
+    except ValueError:
+        raise BlockfoldError(f"--blocks {args.blocks!r} is not a comma-separated list of integers, e.g. 2,4,6,8") from None
+    config = SweepConfig.parse({
+        "model": args.model, "methods": [m for m in args.methods.split(",") if m], "budgets": budgets,
+        "tasks": [t for t in args.tasks.split(",") if t], "limit": args.limit, "fewshot": args.fewshot,
+        "ppl_text": args.ppl, "ppl_windows": args.ppl_windows, "placement_blocks": args.placement,
+        "analysis": not args.no_analysis, "country_iso_code": args.country,
+        "calibration": {"source": args.calib, "num_sequences": args.num_seqs, "sequence_length": args.seq_len,
+                        "max_documents": args.calib_docs},
+    }, origin="sweep options")
+    _check_calibration_source(config.calibration.source)
+    result = run_sweep(config, Path(args.out), args.overwrite)
+    print(f"sweep: {len(result['runs'])} runs in {result['seconds'] / 60:.1f} min -> {args.out}/sweep.json "
+          f"(next: blockfold report {args.out})")
+    return 0
+
+
+def cmd_report(args) -> int:
+    from blockfold.report.render import render_report
+
+    written = render_report(args.run_dir)
+    print(f"report: {written['html']} and {written['markdown']}")
+    return 0
+
+
 def _source_of(spec: str) -> str:
     """The model a compressed folder was made from, from its manifest."""
     from blockfold.surgery import read_manifest
@@ -467,6 +523,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench(sub)
     _add_heal(sub)
     _add_analyze(sub)
+    _add_sweep(sub)
+    _add_report(sub)
     return parser
 
 
@@ -475,7 +533,7 @@ def main(argv: list[str] | None = None) -> int:
     warnings.simplefilter("default")
     try:
         return {"compress": cmd_compress, "eval": cmd_eval, "bench": cmd_bench, "heal": cmd_heal,
-                "analyze": cmd_analyze}[args.command](args)
+                "analyze": cmd_analyze, "sweep": cmd_sweep, "report": cmd_report}[args.command](args)
     except BlockfoldError as err:
         print(f"blockfold: error: {err}", file=sys.stderr)
         return 2

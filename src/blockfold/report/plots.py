@@ -22,6 +22,8 @@ def span_heatmap(distances: np.ndarray, path: Path, title: str) -> Path:
     """``distances[start, length]`` (NaN where a span does not fit) as a start × length heatmap,
     with the best start per length marked."""
     figure, axis = plt.subplots(figsize=(7, 4.5))
+    distances = distances.copy()
+    distances[0] = np.nan  # the first block is never removed
     shown = np.ma.masked_invalid(distances[:, 1:].T)
     image = axis.imshow(shown, origin="lower", aspect="auto", cmap="viridis",
                         extent=(-0.5, distances.shape[0] - 0.5, 0.5, distances.shape[1] - 0.5))

