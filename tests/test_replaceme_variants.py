@@ -260,3 +260,28 @@ def test_lowrank_defaults_to_rank_32_and_spans_must_fit_the_budget():
     assert Recipe.parse({"estimator": "lowrank"}).rank == 32
     with pytest.raises(BlockfoldError, match="--spans at most 2"):
         Recipe.parse({"blocks": 2, "spans": 3}).num_blocks_to_remove(6)
+
+
+def test_a_shared_first_pass_gives_the_same_compressions(tokenizer):
+    """A sweep's one pass for several budgets: the same removed blocks and the same folded weights as
+    one pass per compression; a copy with other weights is not served the shared statistics."""
+    import copy
+
+    from blockfold.methods.replaceme import shared_first_pass
+
+    base, calibration = tiny_model("llama"), random_calibration(num_sequences=16)
+    separate = {}
+    for method, blocks in (("replaceme", 1), ("replaceme", 2), ("uidl", 2)):
+        model = copy.deepcopy(base)
+        manifest = blockfold.compress(model, tokenizer, {"method": method, "blocks": blocks}, calibration=calibration).manifest
+        separate[(method, blocks)] = (manifest["removed_blocks"], model.state_dict())
+    with shared_first_pass(base, calibration, [1, 2]):
+        for (method, blocks), (removed, weights) in separate.items():
+            model = copy.deepcopy(base)
+            manifest = blockfold.compress(model, tokenizer, {"method": method, "blocks": blocks}, calibration=calibration).manifest
+            assert manifest["removed_blocks"] == removed
+            assert all(torch.allclose(weights[k], v, atol=1e-6) for k, v in model.state_dict().items())
+        other = tiny_model("llama", seed=3)
+        expected = blockfold.compress(copy.deepcopy(other), tokenizer, {"blocks": 2}, calibration=calibration).manifest
+    assert blockfold.compress(copy.deepcopy(other), tokenizer, {"blocks": 2}, calibration=calibration).manifest[
+        "selection"]["candidates"] == expected["selection"]["candidates"]

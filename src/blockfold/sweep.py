@@ -10,6 +10,7 @@ goes to ``sweep.json``; ``blockfold report`` renders it.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -101,7 +102,8 @@ def _prefill_speedup(original, compressed, length: int, repeats: int = 3) -> dic
 def run_sweep(config: SweepConfig, out: Path, overwrite: bool = False) -> dict:
     """Run the sweep and write ``out/sweep.json`` (staged in a temporary folder, renamed at the end)."""
     from blockfold.eval.tasks import relative_performance, task_configs
-    from blockfold.methods import ATTENTION_METHODS, METHODS
+    from blockfold.methods import ATTENTION_METHODS, METHODS, SPAN_METHODS
+    from blockfold.methods.replaceme import shared_first_pass
     from blockfold.models import load_model, model_fingerprint
     from blockfold.models.sources import cache_dir
 
@@ -128,28 +130,41 @@ def run_sweep(config: SweepConfig, out: Path, overwrite: bool = False) -> dict:
     with emissions(original, "eval_kg_co2eq", config.country_iso_code):
         original.update(_measure_model(model, tokenizer, config, windows, task_cache))
     result["original"] = original
-    for method in config.methods:
-        for budget in config.budgets:
-            budget_field = "attention_layers" if method in ATTENTION_METHODS else "blocks"
-            recipe = Recipe.parse({"method": method, budget_field: budget,
-                                   "calibration": config.calibration.model_dump()}, origin=f"{method} at {budget}")
-            candidate = copy.deepcopy(model)
-            run = {"method": method, "budget": budget, "budget_kind": budget_field}
-            with emissions(run, "compress_kg_co2eq", config.country_iso_code):
-                compressed = blockfold.compress(candidate, tokenizer, recipe, calibration=calibration)
-            manifest = compressed.manifest
-            run.update({"removed_blocks": manifest.get("removed_blocks"), "replaced": manifest.get("replaced"),
-                        "compress_seconds": manifest["compress_seconds"],
-                        "selection": {k: manifest["selection"].get(k) for k in ("criterion", "start", "score")}})
-            with emissions(run, "eval_kg_co2eq", config.country_iso_code):
-                run.update(_measure_model(candidate, tokenizer, config, windows, task_cache))
-            if config.tasks:
-                run["relative_performance"] = relative_performance(run["tasks"], original["tasks"])
-            run["speed"] = _prefill_speedup(model, candidate, config.speed_length)
-            result["runs"].append(run)
-            print(f"sweep: {method} {budget}: ppl {run.get('perplexity', float('nan')):.2f}"
-                  + (f", RP {run['relative_performance']['average']['rp']:.3f}" if config.tasks else ""), flush=True)
-            del candidate
+    def one_run(method: str, budget: int) -> None:
+        budget_field = "attention_layers" if method in ATTENTION_METHODS else "blocks"
+        recipe = Recipe.parse({"method": method, budget_field: budget,
+                               "calibration": config.calibration.model_dump()}, origin=f"{method} at {budget}")
+        candidate = copy.deepcopy(model)
+        run = {"method": method, "budget": budget, "budget_kind": budget_field}
+        with emissions(run, "compress_kg_co2eq", config.country_iso_code):
+            compressed = blockfold.compress(candidate, tokenizer, recipe, calibration=calibration)
+        manifest = compressed.manifest
+        run.update({"removed_blocks": manifest.get("removed_blocks"), "replaced": manifest.get("replaced"),
+                    "compress_seconds": manifest["compress_seconds"],
+                    "selection": {k: manifest["selection"].get(k) for k in ("criterion", "start", "score")}})
+        with emissions(run, "eval_kg_co2eq", config.country_iso_code):
+            run.update(_measure_model(candidate, tokenizer, config, windows, task_cache))
+        if config.tasks:
+            run["relative_performance"] = relative_performance(run["tasks"], original["tasks"])
+        run["speed"] = _prefill_speedup(model, candidate, config.speed_length)
+        result["runs"].append(run)
+        print(f"sweep: {method} {budget}: ppl {run.get('perplexity', float('nan')):.2f}"
+              + (f", RP {run['relative_performance']['average']['rp']:.3f}" if config.tasks else ""), flush=True)
+        del candidate
+
+    with contextlib.ExitStack() as stack:
+        if any(m in SPAN_METHODS for m in config.methods):
+            # ReplaceMe and UIDL at every budget share one calibration pass (identical results); its
+            # time and CO₂eq are recorded once, apart from the runs'
+            shared = {}
+            with emissions(shared, "kg_co2eq", config.country_iso_code):
+                pass_started = time.perf_counter()
+                stack.enter_context(shared_first_pass(model, calibration, config.budgets))
+                shared["seconds"] = time.perf_counter() - pass_started
+            result["shared_calibration_pass"] = shared
+        for method in config.methods:
+            for budget in config.budgets:
+                one_run(method, budget)
     if config.placement_blocks:
         result["placement"] = placement_study(model, calibration, config.placement_blocks, windows)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -14,6 +14,8 @@ after its own fix, with one pass per round.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from dataclasses import dataclass
 
 import torch
@@ -140,6 +142,50 @@ def _measure(model, adapter, calibration, lengths: list[int], max_length: int, m
     return tables[0], tables, observers[-1].finalize() if moments else None
 
 
+@dataclass
+class SharedMeasurement:
+    """One first pass for several compressions of the same weights (a sweep over budgets)."""
+
+    fingerprint: str
+    calibration_id: int
+    lengths: list[int]
+    max_length: int
+    measured: tuple
+
+
+_SHARED: contextvars.ContextVar[SharedMeasurement | None] = contextvars.ContextVar("replaceme_shared", default=None)
+
+
+@contextlib.contextmanager
+def shared_first_pass(model, calibration, lengths: list[int]):
+    """Within this block, ReplaceMe (and UIDL) compressions of copies of ``model`` calibrated on
+    ``calibration`` with span lengths among ``lengths`` reuse one pass instead of one each. A copy
+    whose weights differ (checked by fingerprint) gets its own pass as usual."""
+    from blockfold.models import model_fingerprint
+
+    adapter = get_adapter(model)
+    measured = _measure(model, adapter, calibration, sorted(set(lengths), reverse=True), max(lengths), True,
+                        description="shared calibration pass")
+    token = _SHARED.set(SharedMeasurement(model_fingerprint(model), id(calibration), sorted(set(lengths)),
+                                          max(lengths), measured))
+    try:
+        yield
+    finally:
+        _SHARED.reset(token)
+
+
+def _first_pass(model, adapter, calibration, lengths: list[int], max_length: int, moments: bool):
+    shared = _SHARED.get()
+    if shared is not None and shared.calibration_id == id(calibration) and set(lengths) <= set(shared.lengths) \
+            and max_length <= shared.max_length:
+        from blockfold.models import model_fingerprint
+
+        if model_fingerprint(model) == shared.fingerprint:
+            distances, tables, similarity = shared.measured
+            return distances, [t for t in tables if t.fit_length in lengths], similarity
+    return _measure(model, adapter, calibration, lengths, max_length, moments)
+
+
 def _refit_equations(model, adapter, calibration, start: int, length: int) -> NormalEquations:
     """Normal equations of one span on the model as it is now (a pass that stops after the span)."""
     statistics = SpanStatistics(adapter.num_layers(model), 0, length, starts=[start], stream_weighted=False)
@@ -165,7 +211,7 @@ def compress_replaceme(
     if recipe.greedy:
         return _compress_greedy(model, adapter, recipe, calibration, budget, criterion)
     lengths = sorted(set(split_budget(budget, recipe.spans)), reverse=True)
-    distances, fit_tables, moments = _measure(model, adapter, calibration, lengths, budget, criterion in _MOMENT_CRITERIA
+    distances, fit_tables, moments = _first_pass(model, adapter, calibration, lengths, budget, criterion in _MOMENT_CRITERIA
                                               or recipe.spans == 1)
     scores = span_criteria(distances, fit_tables, moments, lambda eq: closed_form_map(recipe, eq, warn=False)[0])
     if recipe.spans == 1:

