@@ -55,7 +55,7 @@ def test_sweep_records_every_run(run_dir):
 def test_report_tables_and_figures(run_dir):
     markdown = (run_dir / "report.md").read_text()
     assert "| replaceme | 2 blocks |" in markdown and "Spearman" in markdown and "codecarbon" in markdown
-    images = re.findall(r"\]\((figures/[^)]+\.png)\)", markdown)
+    images = re.findall(r"\]\(((?:figures|analysis)/[^)]+\.png)\)", markdown)
     assert len(images) >= 6 and all((run_dir / image).read_bytes()[:4] == b"\x89PNG" for image in images)
     html = (run_dir / "report.html").read_text()
     assert html.count("data:image/png;base64,") == len(images), "the HTML carries its images"

