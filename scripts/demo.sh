@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # Set up (if needed), then the main job on the built-in default model: compress SmolLM2-135M by
-# removing 8 of its 30 blocks with ReplaceMe, measure WikiText-2 perplexity before and after,
-# and print the summary table. Paths to data are configurable through BLOCKFOLD_DATA.
+# removing 8 of its 30 blocks with ReplaceMe, evaluate it against the original (WikiText-2
+# perplexity, two harness tasks with relative performance, size, speed, CO2eq), keep the checkpoint,
+# and write an HTML + Markdown report. Paths to data are configurable through BLOCKFOLD_DATA.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 DATA=${BLOCKFOLD_DATA:-../shared/data}
-exec .venv/bin/blockfold compress --model "${MODEL:-smollm2-135m}" --calib "$DATA/c4_demo.jsonl" \
-  --method replaceme --blocks "${BLOCKS:-8}" --estimator lstsq --out "${OUT:-out/smollm2-rm8}" --overwrite \
-  --ppl "$DATA/wikitext2_test.txt" --ppl-windows "${PPL_WINDOWS:-40}" "$@"
+OUT=${OUT:-out/demo}
+.venv/bin/blockfold sweep --model "${MODEL:-smollm2-135m}" --methods replaceme --blocks "${BLOCKS:-8}" \
+  --calib "$DATA/c4_demo.jsonl" --calib-docs 128 --ppl "$DATA/wikitext2_test.txt" --ppl-windows "${PPL_WINDOWS:-40}" \
+  --tasks "${TASKS:-piqa,arc_easy}" --limit "${LIMIT:-100}" --save-models --out "$OUT" --overwrite "$@"
+.venv/bin/blockfold report "$OUT"
+echo "compressed checkpoint: $OUT/models/replaceme-${BLOCKS:-8} (loads with AutoModelForCausalLM.from_pretrained)"

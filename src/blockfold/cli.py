@@ -452,8 +452,18 @@ def cmd_sweep(args) -> int:
     }, origin="sweep options")
     _check_calibration_source(config.calibration.source)
     result = run_sweep(config, Path(args.out), args.overwrite)
-    print(f"sweep: {len(result['runs'])} runs in {result['seconds'] / 60:.1f} min -> {args.out}/sweep.json "
-          f"(next: blockfold report {args.out})")
+    original = result["original"]
+    rows = [("original", f"ppl {original.get('perplexity', float('nan')):.2f}, "
+                         f"{original['parameters']['parameters'] / 1e6:.1f}M parameters")]
+    for run in result["runs"]:
+        rp = run.get("relative_performance", {}).get("average")
+        rows.append((f"{run['method']} {run['budget']}",
+                     f"ppl {run.get('perplexity', float('nan')):.2f}, {run['parameters']['parameters'] / 1e6:.1f}M parameters"
+                     + (f", RP {rp['rp']:.3f} ± {rp['stderr']:.3f}" if rp else "")
+                     + f", prefill x{run['speed']['speedup']:.2f}" + (f", saved {args.out}/{run['checkpoint']}" if run.get("checkpoint") else "")))
+    rows.append(("time", f"{result['seconds'] / 60:.1f} min"))
+    rows.append(("saved", f"{args.out}/sweep.json (next: blockfold report {args.out})"))
+    _print_table(rows, f"blockfold sweep: {args.model}")
     return 0
 
 
