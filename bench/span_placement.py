@@ -30,14 +30,9 @@ from blockfold.select import SPAN_CRITERIA, span_criteria
 from blockfold.stats import SpanStatistics, stream_activations
 from blockfold.stats.similarity import StreamSimilarity
 from blockfold.surgery import fold_into_down_proj, remove_blocks
+from blockfold.sweep import spearman
 
 DATA = Path(os.environ.get("BLOCKFOLD_DATA", "../shared/data"))
-
-
-def spearman(a: list[float], b: list[float]) -> float:
-    """Rank correlation (no ties expected among continuous scores)."""
-    rank_a, rank_b = np.argsort(np.argsort(a)), np.argsort(np.argsort(b))
-    return float(np.corrcoef(rank_a, rank_b)[0, 1])
 
 
 def main() -> None:

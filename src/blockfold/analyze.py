@@ -62,7 +62,9 @@ def _analyze(model, calibration: CalibrationSet, out: Path, cka_tokens: int, see
         cosine[i, i] = 1.0
         for j in range(i + 1, num_layers + 1):
             cosine[i, j] = cosine[j, i] = table.cosine_all[i, j - i]
-    cka = pairwise_linear_cka(subsample.hidden()).numpy()
+    sampled = subsample.hidden()
+    cka_tokens = int(sampled[0].shape[0])
+    cka = pairwise_linear_cka(sampled).numpy()
     best = {}
     for length in range(1, num_layers - 1):
         column = table.angular_last[1:, length]
@@ -81,7 +83,7 @@ def _analyze(model, calibration: CalibrationSet, out: Path, cka_tokens: int, see
         "similarity_cosine": plots.similarity_matrix(cosine, out / "similarity_cosine.png",
                                                      "mean cosine between residual streams", "cosine"),
         "similarity_cka": plots.similarity_matrix(cka, out / "similarity_cka.png",
-                                                  f"linear CKA between residual streams ({subsample.hidden()[0].shape[0]} tokens)",
+                                                  f"linear CKA between residual streams ({cka_tokens} tokens)",
                                                   "linear CKA"),
         "linearity": plots.per_layer_lines(
             {f"{target} {name}": values[name] for target, values in linearity.items() for name in ("cca", "nmse")},
@@ -95,7 +97,7 @@ def _analyze(model, calibration: CalibrationSet, out: Path, cka_tokens: int, see
         "seconds": time.perf_counter() - started,
         "span_distances": {"angular_last": _finite(table.angular_last), "angular_all": _finite(table.angular_all)},
         "best_span_per_length": best,
-        "similarity": {"cosine": _finite(cosine), "linear_cka": _finite(cka), "cka_tokens": int(subsample.hidden()[0].shape[0])},
+        "similarity": {"cosine": _finite(cosine), "linear_cka": _finite(cka), "cka_tokens": cka_tokens},
         "linearity": linearity,
         "figures": {name: path.name for name, path in figures.items()},
     }

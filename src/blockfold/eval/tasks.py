@@ -89,9 +89,8 @@ def _redirect(config: dict, data_files: dict[str, list[str] | str], builder: str
             config[key] = None
     if config.get("test_split") is None and config.get("validation_split") is None:
         raise BlockfoldError(f"no split of task {config['task']} in {sorted(data_files)}")
-    config.setdefault("metadata", {})
     scored = config.get("test_split") or config.get("validation_split")
-    config["metadata"] = {**(config["metadata"] or {}), "blockfold_scored_split": scored}
+    config["metadata"] = {**(config.get("metadata") or {}), "blockfold_scored_split": scored}
     return config
 
 

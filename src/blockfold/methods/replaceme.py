@@ -28,13 +28,13 @@ from blockfold.recipe import Recipe
 from blockfold.select import best_span, best_spans, by_start, span_criteria, split_budget
 from blockfold.stats import NormalEquations, SpanSample, SpanStatistics, SpanTable, stream_activations
 from blockfold.stats.similarity import StreamMoments, StreamSimilarity
+from blockfold.surgery import fold_into_down_proj, fold_through_linearized_norm, remove_blocks
 
 #: span selection when the recipe names none: the fitted map's per-token error relative to the
 #: residual stream (measured best on SmolLM2-135M, BENCHMARKS.md "Which span?")
 DEFAULT_CRITERION = "fit_error_stream"
 #: criteria that need the stream moments (CKA, CCA) in the pass
 _MOMENT_CRITERIA = frozenset({"cka", "cca"})
-from blockfold.surgery import fold_into_down_proj, fold_through_linearized_norm, remove_blocks
 
 
 @dataclass
@@ -236,8 +236,8 @@ def compress_replaceme(
         "length": choices[0].length,
         "score": sum(c.score for c in choices),
         "candidates": by_start(scores[criterion], budget) if recipe.spans == 1 else choices[0].candidates,
-        "scores_per_criterion": {name: by_start(values, length) for name, values in scores.items()
-                                 for length in [budget] if by_start(values, length)},
+        "scores_per_criterion": {name: values for name, values in
+                                 ((name, by_start(table, budget)) for name, table in scores.items()) if values},
         "span_distances": {name: _table(getattr(distances, name)) for name in ("angular_last", "angular_all", "cosine_all")},
     }
     if recipe.spans > 1:

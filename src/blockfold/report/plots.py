@@ -11,9 +11,10 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 
-def _save(figure, path: Path) -> Path:
+def save(figure, path: Path, dpi: int = 110) -> Path:
+    """Write the figure as PNG and release it."""
     figure.tight_layout()
-    figure.savefig(path, dpi=110)
+    figure.savefig(path, dpi=dpi)
     plt.close(figure)
     return path
 
@@ -35,7 +36,7 @@ def span_heatmap(distances: np.ndarray, path: Path, title: str) -> Path:
     axis.set_ylabel("blocks removed (span length)")
     axis.set_title(title)
     figure.colorbar(image, ax=axis, label="angular distance")
-    return _save(figure, path)
+    return save(figure, path)
 
 
 def similarity_matrix(matrix: np.ndarray, path: Path, title: str, label: str) -> Path:
@@ -45,7 +46,7 @@ def similarity_matrix(matrix: np.ndarray, path: Path, title: str, label: str) ->
     axis.set_ylabel("layer boundary i")
     axis.set_title(title)
     figure.colorbar(image, ax=axis, label=label)
-    return _save(figure, path)
+    return save(figure, path)
 
 
 def per_layer_lines(series: dict[str, list[float]], path: Path, title: str, ylabel: str, log: bool = False) -> Path:
@@ -59,4 +60,4 @@ def per_layer_lines(series: dict[str, list[float]], path: Path, title: str, ylab
     axis.set_title(title)
     axis.legend(fontsize=8)
     axis.grid(alpha=0.3)
-    return _save(figure, path)
+    return save(figure, path)

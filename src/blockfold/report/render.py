@@ -15,6 +15,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from blockfold.errors import BlockfoldError  # noqa: E402
+from blockfold.report.plots import save  # noqa: E402
 
 FIGURES = "figures"
 
@@ -116,9 +117,7 @@ def _figures(sweep: dict, folder: Path) -> list[tuple[str, Path]]:
     for axis in axes[0]:
         axis.grid(alpha=0.3)
         axis.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(folder / "quality_vs_budget.png", dpi=100)
-    plt.close(figure)
+    save(figure, folder / "quality_vs_budget.png", dpi=100)
     figures.append(("Quality against compression, per method", folder / "quality_vs_budget.png"))
 
     figure, axis = plt.subplots(figsize=(5.2, 3.8))
@@ -133,9 +132,7 @@ def _figures(sweep: dict, folder: Path) -> list[tuple[str, Path]]:
     axis.set_title("perplexity vs parameters")
     axis.grid(alpha=0.3)
     axis.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(folder / "ppl_vs_parameters.png", dpi=100)
-    plt.close(figure)
+    save(figure, folder / "ppl_vs_parameters.png", dpi=100)
     figures.append(("Perplexity against parameter count", folder / "ppl_vs_parameters.png"))
 
     placement = sweep.get("placement")
@@ -154,9 +151,7 @@ def _figures(sweep: dict, folder: Path) -> list[tuple[str, Path]]:
         twin.set_ylabel("criterion / its max")
         twin.legend(fontsize=8, loc="upper right")
         axis.set_title("where to cut: perplexity and two criteria per span start")
-        figure.tight_layout()
-        figure.savefig(folder / "placement.png", dpi=100)
-        plt.close(figure)
+        save(figure, folder / "placement.png", dpi=100)
         figures.append(("Placement study", folder / "placement.png"))
     return figures
 

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from blockfold.errors import BlockfoldError
 from blockfold.stats.engine import LayerActivations
+from blockfold.stats.sums import add_sums
 
 TARGETS = ("attention", "block")
 
@@ -94,20 +95,12 @@ class SublayerLinearity:
         self.cosine_sum[index] += float(F.cosine_similarity(residual, residual + y, dim=-1).sum())
         weight = 1.0 / (residual + y).pow(2).sum(-1).clamp(min=1e-30)
         wx, wy = weight[:, None] * x, weight[:, None] * y
-        self._add(index, {"x": x.sum(0), "y": y.sum(0), "xx": x.T @ x, "yy": y.T @ y, "yx": y.T @ x,
-                          "w": weight.sum(), "wx": wx.sum(0), "wy": wy.sum(0), "wxx": wx.T @ x, "wyx": wy.T @ x,
-                          "wyy": (wy * y).sum()})
+        add_sums(self._sums[index], {"x": x.sum(0), "y": y.sum(0), "xx": x.T @ x, "yy": y.T @ y, "yx": y.T @ x,
+                                     "w": weight.sum(), "wx": wx.sum(0), "wy": wy.sum(0), "wxx": wx.T @ x,
+                                     "wyx": wy.T @ x, "wyy": (wy * y).sum()})
 
     def end_batch(self) -> None:
         """Nothing is carried from one layer to the next."""
-
-    def _add(self, index: int, sums: dict[str, torch.Tensor]) -> None:
-        store = self._sums[index]
-        for name, value in sums.items():
-            if name in store:
-                store[name] += value
-            else:
-                store[name] = value.clone()
 
     # -- combining and reading ------------------------------------------------------------
     def merge(self, other: "SublayerLinearity") -> "SublayerLinearity":
@@ -120,7 +113,7 @@ class SublayerLinearity:
         for index in range(self.num_layers):
             self.tokens[index] += other.tokens[index]
             self.cosine_sum[index] += other.cosine_sum[index]
-            self._add(index, other._sums[index])
+            add_sums(self._sums[index], other._sums[index])
         return self
 
     def finalize(self) -> list[LinearStatistics]:

@@ -17,6 +17,7 @@ import torch
 from blockfold.errors import BlockfoldError
 from blockfold.stats.engine import LayerActivations
 from blockfold.stats.linearity import LinearStatistics
+from blockfold.stats.sums import add_sum
 
 
 @dataclass
@@ -61,23 +62,16 @@ class StreamSimilarity:
 
     def _add_boundary(self, k: int, hidden: torch.Tensor) -> None:
         h = hidden.double()
-        self._add(self._sum, k, h.sum(0))
-        self._add(self._gram, k, h.T @ h)
+        add_sum(self._sum, k, h.sum(0))
+        add_sum(self._gram, k, h.T @ h)
         for length in self.lengths:
             if k - length in self._window:
-                self._add(self._cross, (k - length, length), h.T @ self._window[k - length])
+                add_sum(self._cross, (k - length, length), h.T @ self._window[k - length])
         self._window[k] = h
         self._window.pop(k - max(self.lengths, default=0), None)
 
     def end_batch(self) -> None:
         self._window.clear()
-
-    @staticmethod
-    def _add(store: dict, key, value: torch.Tensor) -> None:
-        if key in store:
-            store[key] += value
-        else:
-            store[key] = value.clone()
 
     def merge(self, other: "StreamSimilarity") -> "StreamSimilarity":
         if (other.num_layers, other.lengths) != (self.num_layers, self.lengths):
@@ -85,7 +79,7 @@ class StreamSimilarity:
         self.tokens += other.tokens
         for mine, theirs in ((self._sum, other._sum), (self._gram, other._gram), (self._cross, other._cross)):
             for key, value in theirs.items():
-                self._add(mine, key, value)
+                add_sum(mine, key, value)
         return self
 
     def finalize(self) -> StreamMoments:

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from blockfold.stats.engine import LayerActivations
+from blockfold.stats.sums import add_sum, add_sums
 
 
 @dataclass
@@ -130,18 +131,18 @@ class SpanStatistics:
             x = acts.down_out.double() if self.inputs == "down_out" else contribution
             self._x[j], self._attn[j] = x, acts.block_out.double() - contribution  # residual after attention
             self._contribution[j] = contribution
-            self._accumulate(self._xtx, j + 1, x.T @ x)
+            add_sum(self._xtx, j + 1, x.T @ x)
         start = j + 1 - (self.fit_length or 0)
         if self.fit_length and start in self._yty:
             x, y = self._x.pop(start - 1), current.double() - self._attn.pop(start - 1)
             contribution = self._contribution.pop(start - 1)
-            self._accumulate(self._xty, start, x.T @ y)
+            add_sum(self._xty, start, x.T @ y)
             self._yty[start] += float((y * y).sum())
             self._identity_error[start] += float(((contribution - y) ** 2).sum())
             if self.stream_weighted:
                 weight = 1.0 / current.double().pow(2).sum(-1, keepdim=True).clamp(min=1e-30)
                 wx = weight * x
-                self._accumulate_all(self._weighted.setdefault(start, {}), {
+                add_sums(self._weighted.setdefault(start, {}), {
                     "xtx": wx.T @ x, "xty": wx.T @ y, "yty": (weight * y * y).sum(),
                     "identity": (weight * (contribution - y) ** 2).sum(),
                 })
@@ -163,18 +164,6 @@ class SpanStatistics:
         self.cosine_all[start, length] += float(cos.sum())
         self.angular_last[start, length] += float(angle[last_token].sum())
 
-    @staticmethod
-    def _accumulate(store: dict, key: int, value: torch.Tensor) -> None:
-        if key in store:
-            store[key] += value
-        else:
-            store[key] = value.clone()
-
-    @classmethod
-    def _accumulate_all(cls, store: dict, values: dict) -> None:
-        for key, value in values.items():
-            cls._accumulate(store, key, value)
-
     # -- combining and reading ------------------------------------------------------------
     def merge(self, other: "SpanStatistics") -> "SpanStatistics":
         """Add another shard's sums (same model, same lengths) into this one."""
@@ -185,11 +174,11 @@ class SpanStatistics:
         for key in self.fit_starts:
             for store, theirs in ((self._xtx, other._xtx), (self._xty, other._xty)):
                 if key in theirs:
-                    self._accumulate(store, key, theirs[key])
+                    add_sum(store, key, theirs[key])
             self._yty[key] += other._yty[key]
             self._identity_error[key] += other._identity_error[key]
             if key in other._weighted:
-                self._accumulate_all(self._weighted.setdefault(key, {}), other._weighted[key])
+                add_sums(self._weighted.setdefault(key, {}), other._weighted[key])
         return self
 
     def finalize(self) -> SpanTable:
