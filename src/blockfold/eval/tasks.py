@@ -64,17 +64,18 @@ def _arrow_files(folder: Path) -> dict[str, str]:
 
 
 @functools.cache
-def _task_index() -> dict:
-    """The harness's index of its task definitions (building it reads every YAML file: once)."""
+def _task_manager():
+    """The harness's task manager; building its index reads every YAML file (~10 s), so once per
+    process, and it is handed to every ``simple_evaluate`` (which would otherwise build its own)."""
     from lm_eval.tasks import TaskManager
 
-    return TaskManager().task_index
+    return TaskManager()
 
 
 def _stock_config(name: str) -> dict:
     from lm_eval.tasks._yaml_loader import load_yaml
 
-    entry = _task_index().get(name)
+    entry = _task_manager().task_index.get(name)
     if entry is None or entry.yaml_path is None:
         raise BlockfoldError(f"lm-evaluation-harness has no task {name!r}: see `lm-eval ls tasks`")
     return dict(load_yaml(entry.yaml_path, resolve_func=True))
@@ -145,7 +146,7 @@ def evaluate_tasks(model, tokenizer, names: list[str], limit: int | None = None,
     results = {}
     for name, task_list in configs.items():
         tasks = [ConfigurableTask(config=config) for config in task_list]
-        output = simple_evaluate(model=lm, tasks=tasks, num_fewshot=fewshot, limit=limit, log_samples=False,
+        output = simple_evaluate(model=lm, tasks=tasks, task_manager=_task_manager(), num_fewshot=fewshot, limit=limit, log_samples=False,
                                  bootstrap_iters=0 if len(tasks) > 1 else 100000, verbosity="WARNING")
         per_task = []
         for config in task_list:
