@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
-import tempfile
 import time
 from pathlib import Path
 
@@ -25,7 +22,7 @@ from blockfold.select.linearity import cca_bound, nmse
 from blockfold.stats import SpanStatistics, SublayerLinearity, stream_activations
 from blockfold.stats.similarity import StreamSubsample, pairwise_linear_cka
 from blockfold.report import plots
-from blockfold.surgery import check_output_folder
+from blockfold.surgery import staged_folder
 
 
 def _finite(array: np.ndarray) -> list:
@@ -35,17 +32,8 @@ def _finite(array: np.ndarray) -> list:
 def analyze(model, calibration: CalibrationSet, out: Path, cka_tokens: int = 1024, seed: int = 0,
             overwrite: bool = False) -> dict:
     """Run the pass and write the folder ``out`` (staged, then renamed into place)."""
-    out = check_output_folder(out, overwrite)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    try:
-        result = _analyze(model, calibration, stage, cka_tokens, seed)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(stage, out)
-    finally:
-        shutil.rmtree(stage, ignore_errors=True)
-    return result
+    with staged_folder(out, overwrite) as stage:
+        return _analyze(model, calibration, stage, cka_tokens, seed)
 
 
 def _analyze(model, calibration: CalibrationSet, out: Path, cka_tokens: int, seed: int) -> dict:

@@ -14,8 +14,6 @@ import contextlib
 import copy
 import json
 import os
-import shutil
-import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -33,7 +31,7 @@ from blockfold.errors import BlockfoldError
 from blockfold.eval import perplexity, read_eval_text, tokenize_windows
 from blockfold.eval.speed import kv_cache_bytes, parameter_counts, prefill_seconds
 from blockfold.recipe import CalibrationConfig, Recipe, _Strict
-from blockfold.surgery import check_output_folder
+from blockfold.surgery import staged_folder
 
 SWEEP_VERSION = 1
 
@@ -118,17 +116,8 @@ def _prefill_speedup(original, compressed, length: int, repeats: int = 5) -> dic
 def run_sweep(config: SweepConfig, out: Path, overwrite: bool = False) -> dict:
     """Run the sweep into ``out`` (``sweep.json``, ``analysis/``, ``models/``), staged in a temporary
     folder beside it and renamed into place only when everything is written."""
-    out = check_output_folder(out, overwrite)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    try:
-        result = _run_into(config, stage)
-        if out.exists() and overwrite:
-            shutil.rmtree(out)
-        os.replace(stage, out)
-    finally:
-        shutil.rmtree(stage, ignore_errors=True)
-    return result
+    with staged_folder(out, overwrite) as stage:
+        return _run_into(config, stage)
 
 
 def _run_into(config: SweepConfig, stage: Path) -> dict:

@@ -6,6 +6,8 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -26,23 +28,16 @@ def check_output_folder(out: str | Path, overwrite: bool) -> Path:
     return out
 
 
-def save_compressed(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    out: str | Path,
-    manifest: dict,
-    recipe_yaml: str,
-    overwrite: bool = False,
-) -> Path:
-    """Save weights (safetensors), tokenizer, manifest and recipe; nothing half written is left."""
+@contextmanager
+def staged_folder(out: str | Path, overwrite: bool = False) -> Iterator[Path]:
+    """Yield an empty folder beside ``out`` to write into; when the block ends without error it
+    replaces ``out`` (an old ``out`` is moved aside first and removed after), otherwise it is
+    deleted: nothing half written is ever at ``out``."""
     out = check_output_folder(out, overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     try:
-        model.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
-        (staging / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2, default=str))
-        (staging / RECIPE_NAME).write_text(recipe_yaml)
+        yield staging
         if out.exists():
             retired = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
             os.replace(out, retired / out.name)
@@ -52,7 +47,23 @@ def save_compressed(
             os.replace(staging, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return out
+
+
+def save_compressed(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    out: str | Path,
+    manifest: dict,
+    recipe_yaml: str,
+    overwrite: bool = False,
+) -> Path:
+    """Save weights (safetensors), tokenizer, manifest and recipe; nothing half written is left."""
+    with staged_folder(out, overwrite) as staging:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        (staging / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2, default=str))
+        (staging / RECIPE_NAME).write_text(recipe_yaml)
+    return Path(out).expanduser()
 
 
 def read_manifest(folder: str | Path) -> dict | None:
