@@ -226,6 +226,7 @@ def cmd_compress(args) -> int:
     from blockfold.adapters import get_adapter
     from blockfold.eval import perplexity, read_eval_text, tokenize_windows
     from blockfold.models import load_model, model_fingerprint
+    from blockfold.select import span_label
     from blockfold.surgery import check_output_folder, save_compressed
 
     recipe = _recipe_from_args(args)
@@ -269,7 +270,7 @@ def cmd_compress(args) -> int:
         rows.append(("LMMSE relative error", ", ".join(f"{layer}: {info['nmse']:.3f}" for layer, info in manifest["fits"].items())))
     if len(manifest.get("spans", [])) > 1:
         rows.append(("maps (relative fit error)", ", ".join(
-            f"{_span(span['blocks'])} -> block {span['folded_into_block']}: {span['transform']['relative_fit_error']:.3f}"
+            f"{span_label(span['blocks'])} -> block {span['folded_into_block']}: {span['transform']['relative_fit_error']:.3f}"
             for span in manifest["spans"])))
     fit = manifest.get("transform")
     if fit:
@@ -289,13 +290,15 @@ def cmd_compress(args) -> int:
 
 
 def _changes(manifest: dict) -> tuple[str, str]:
+    from blockfold.select import span_label
+
     replaced = manifest.get("replaced")
     if replaced:
         what = "attention layers" if replaced["target"] == "attention" else "blocks"
         how = "dropped" if replaced["replacement"] == "zero" else "replaced by linear maps"
         return (what, f"{', '.join(map(str, replaced['layers']))} {how} (of {manifest['num_layers']})")
     return ("blocks", f"{manifest['original_num_layers']} -> {manifest['num_layers']} "
-                      f"(removed {_span(manifest['removed_blocks'])})")
+                      f"(removed {span_label(manifest['removed_blocks'])})")
 
 
 def _candidates(selection: dict, count: int = 5) -> str:
@@ -308,11 +311,9 @@ def _candidates(selection: dict, count: int = 5) -> str:
                      for key, score in ranked)
 
 
-def _span(blocks: list[int]) -> str:
-    return f"{blocks[0]}-{blocks[-1]}" if blocks == list(range(blocks[0], blocks[-1] + 1)) else ",".join(map(str, blocks))
-
-
 def cmd_eval(args) -> int:
+    import torch
+
     from blockfold.eval import perplexity, read_eval_text, tokenize_windows
     from blockfold.models import load_model, model_fingerprint
     from blockfold.models.sources import cache_dir
@@ -333,8 +334,6 @@ def cmd_eval(args) -> int:
     if baseline != "none":
         candidates.insert(0, ("original", baseline))
     results = {}
-    import torch
-
     for role, spec in candidates:
         loaded = load_model(spec, dtype=getattr(torch, args.dtype))
         results[role] = {"spec": spec}

@@ -16,6 +16,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from blockfold.errors import BlockfoldError  # noqa: E402
 from blockfold.report.plots import save  # noqa: E402
+from blockfold.select import span_label  # noqa: E402
 
 FIGURES = "figures"
 
@@ -33,10 +34,7 @@ def _budget_label(run: dict) -> str:
 def _removed(run: dict) -> str:
     if run.get("replaced"):
         return ",".join(map(str, run["replaced"]["layers"]))
-    blocks = run.get("removed_blocks") or []
-    if blocks and blocks == list(range(blocks[0], blocks[-1] + 1)):
-        return f"{blocks[0]}-{blocks[-1]}"
-    return ",".join(map(str, blocks))
+    return span_label(run.get("removed_blocks") or [])
 
 
 def _tables(sweep: dict) -> list[tuple[str, list[str], list[list[str]]]]:

@@ -5,11 +5,12 @@ from blockfold.select.linearity import (
     score_layers,
 )
 from blockfold.select.spans import (
-    SPAN_CRITERIA, SpanChoice, best_span, best_spans, by_start, linear_cka, span_criteria, split_budget,
+    SPAN_CRITERIA, SpanChoice, best_span, best_spans, by_start, linear_cka, span_criteria, span_label,
+    split_budget,
 )
 
 __all__ = [
     "LINEARITY_CRITERIA", "SPAN_CRITERIA", "SpanChoice", "best_span", "best_spans", "by_start", "canonical_correlations",
     "cca_bound", "cosine_distance", "linear_cka", "lowest_scoring", "nmse", "rank_layers", "score_layers",
-    "span_criteria", "split_budget",
+    "span_criteria", "span_label", "split_budget",
 ]

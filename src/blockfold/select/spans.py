@@ -80,6 +80,13 @@ def by_start(scores: np.ndarray, length: int, min_start: int = 1) -> dict[int, f
     return {int(s): float(scores[s, length]) for s in range(min_start, scores.shape[0]) if np.isfinite(scores[s, length])}
 
 
+def span_label(blocks: list[int]) -> str:
+    """``"12-19"`` for a contiguous run of blocks, else the blocks comma-separated."""
+    if blocks and blocks == list(range(blocks[0], blocks[-1] + 1)):
+        return f"{blocks[0]}-{blocks[-1]}"
+    return ",".join(map(str, blocks))
+
+
 @dataclass
 class SpanChoice:
     start: int
@@ -98,8 +105,7 @@ def best_span(
 ) -> SpanChoice:
     """The admissible span of ``length`` blocks with the lowest score (or the one at ``fixed_start``);
     never the first block."""
-    column = scores[:, length]
-    candidates = {int(s): float(column[s]) for s in range(min_start, len(column)) if np.isfinite(column[s])}
+    candidates = by_start(scores, length, min_start)
     if not candidates:
         raise BlockfoldError(f"no span of {length} blocks fits this model: remove fewer blocks")
     if fixed_start is not None and fixed_start not in candidates:
