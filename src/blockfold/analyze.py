@@ -18,7 +18,7 @@ import numpy as np
 
 from blockfold.adapters import get_adapter
 from blockfold.data import CalibrationSet
-from blockfold.select.linearity import cca_bound, nmse
+from blockfold.select import best_span, by_start, cca_bound, nmse
 from blockfold.stats import SpanStatistics, SublayerLinearity, stream_activations
 from blockfold.stats.similarity import StreamSubsample, pairwise_linear_cka
 from blockfold.report import plots
@@ -54,11 +54,10 @@ def _analyze(model, calibration: CalibrationSet, out: Path, cka_tokens: int, see
     cka_tokens = int(sampled[0].shape[0])
     cka = pairwise_linear_cka(sampled).numpy()
     best = {}
-    for length in range(1, num_layers - 1):
-        column = table.angular_last[1:, length]
-        if np.isfinite(column).any():
-            start = 1 + int(np.nanargmin(column))
-            best[length] = {"start": start, "blocks": [start, start + length - 1], "angular_last": float(column[start - 1])}
+    for length in range(1, num_layers):  # every length with an admissible span, as the heatmap marks
+        if by_start(table.angular_last, length):
+            choice = best_span(table.angular_last, length, "angular_last")
+            best[length] = {"start": choice.start, "blocks": [choice.start, choice.blocks[-1]], "angular_last": choice.score}
     linearity = {}
     for target, observer in (("attention", attention), ("block", blocks)):
         statistics = observer.finalize()
@@ -66,7 +65,8 @@ def _analyze(model, calibration: CalibrationSet, out: Path, cka_tokens: int, see
                              "nmse": [nmse(s) for s in statistics],
                              "cosine": [1.0 - s.mean_cosine for s in statistics]}
     figures = {
-        "span_angular_last": plots.span_heatmap(table.angular_last, out / "span_angular_last.png",
+        "span_angular_last": plots.span_heatmap(table.angular_last, {n: b["start"] for n, b in best.items()},
+                                                out / "span_angular_last.png",
                                                 "angular distance of each span (last token); dots: best per length"),
         "similarity_cosine": plots.similarity_matrix(cosine, out / "similarity_cosine.png",
                                                      "mean cosine between residual streams", "cosine"),

@@ -19,19 +19,17 @@ def save(figure, path: Path, dpi: int = 110) -> Path:
     return path
 
 
-def span_heatmap(distances: np.ndarray, path: Path, title: str) -> Path:
+def span_heatmap(distances: np.ndarray, best_starts: dict[int, int], path: Path, title: str) -> Path:
     """``distances[start, length]`` (NaN where a span does not fit) as a start × length heatmap,
-    with the best start per length marked."""
+    with ``best_starts`` (length → start) marked."""
     figure, axis = plt.subplots(figsize=(7, 4.5))
     distances = distances.copy()
     distances[0] = np.nan  # the first block is never removed
     shown = np.ma.masked_invalid(distances[:, 1:].T)
     image = axis.imshow(shown, origin="lower", aspect="auto", cmap="viridis",
                         extent=(-0.5, distances.shape[0] - 0.5, 0.5, distances.shape[1] - 0.5))
-    for length in range(1, distances.shape[1]):
-        column = distances[1:, length]
-        if np.isfinite(column).any():
-            axis.plot(1 + int(np.nanargmin(column)), length, "w.", markersize=5)
+    for length, start in best_starts.items():
+        axis.plot(start, length, "w.", markersize=5)
     axis.set_xlabel("first removed block (span start)")
     axis.set_ylabel("blocks removed (span length)")
     axis.set_title(title)

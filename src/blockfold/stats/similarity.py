@@ -128,7 +128,8 @@ def pairwise_linear_cka(hidden: list[torch.Tensor]) -> torch.Tensor:
     products for every pair when tokens < d·L)."""
     grams = []
     for h in hidden:
-        centred = h.double() - h.double().mean(0)
+        h = h.double()
+        centred = h - h.mean(0)
         gram = centred @ centred.T
         grams.append(gram / gram.norm().clamp(min=1e-300))
     flat = torch.stack([g.reshape(-1) for g in grams])
