@@ -119,3 +119,25 @@ def test_spearman_handles_ties():
     assert spearman([1, 2, 3], [10, 20, 30]) == pytest.approx(1.0)
     assert spearman([1, 2, 3], [3, 2, 1]) == pytest.approx(-1.0)
     assert spearman([1, 1, 2], [5, 5, 9]) == pytest.approx(1.0)
+
+
+def test_placement_reuses_the_shared_pass_with_identical_results(tiny_and_corpus, monkeypatch):
+    import blockfold.methods.replaceme as replaceme
+    from blockfold.data import build_calibration
+    from blockfold.eval import tokenize_windows
+    from blockfold.recipe import CalibrationConfig
+    from blockfold.sweep import placement_study
+
+    _, corpus = tiny_and_corpus
+    model, tokenizer = tiny_model("llama"), tiny_tokenizer()
+    calibration = build_calibration(CalibrationConfig.parse({"source": str(corpus), "num_sequences": 8,
+                                                             "sequence_length": 32}), tokenizer, model)
+    windows = tokenize_windows(corpus.read_text(), tokenizer, 32, 2)
+    alone = placement_study(model, calibration, 2, windows)
+    passes = []
+    measure = replaceme._measure
+    monkeypatch.setattr(replaceme, "_measure", lambda *args, **kwargs: passes.append(args[4]) or measure(*args, **kwargs))
+    with replaceme.shared_first_pass(model, calibration, [1, 2]):
+        shared = placement_study(model, calibration, 2, windows)
+    assert passes == [2], "only the shared pass ran"
+    assert shared == alone

@@ -192,8 +192,8 @@ def _run_into(config: SweepConfig, stage: Path) -> dict:
         for method in config.methods:
             for budget in config.budgets:
                 one_run(method, budget)
-    if config.placement_blocks:
-        result["placement"] = placement_study(model, calibration, config.placement_blocks, windows, config.eval_dtype)
+        if config.placement_blocks:  # inside: a length among the budgets reuses the shared pass
+            result["placement"] = placement_study(model, calibration, config.placement_blocks, windows, config.eval_dtype)
     if config.analysis:
         from blockfold.analyze import _analyze
 
@@ -210,14 +210,14 @@ def placement_study(model, calibration, blocks: int, windows, eval_dtype: str = 
     the model with that span replaced by its lstsq map (measured in ``eval_dtype``); Spearman ρ of
     each criterion with log ppl."""
     from blockfold.estimate import fit_span_map
-    from blockfold.methods.replaceme import _measure
+    from blockfold.methods.replaceme import _first_pass
     from blockfold.select import SPAN_CRITERIA, span_criteria
     from blockfold.surgery import fold_into_down_proj, remove_blocks
 
     if windows is None:
         raise BlockfoldError("the placement study measures perplexity: give a perplexity text")
     adapter = get_adapter(model)
-    distances, tables, moments = _measure(model, adapter, calibration, [blocks], blocks, True, "placement pass")
+    distances, tables, moments = _first_pass(model, adapter, calibration, [blocks], blocks, True, "placement pass")
     scores = span_criteria(distances, tables, moments, lambda eq: fit_span_map(eq, "lstsq", warn=False)[0])
     rows = []
     for start, equations in sorted(tables[0].normal_equations.items()):

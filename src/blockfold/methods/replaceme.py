@@ -174,7 +174,9 @@ def shared_first_pass(model, calibration, lengths: list[int]):
         _SHARED.reset(token)
 
 
-def _first_pass(model, adapter, calibration, lengths: list[int], max_length: int, moments: bool):
+def _first_pass(model, adapter, calibration, lengths: list[int], max_length: int, moments: bool,
+                description: str = "calibration pass"):
+    """``_measure``, or what an enclosing ``shared_first_pass`` already measured for these weights."""
     shared = _SHARED.get()
     if shared is not None and shared.calibration_id == id(calibration) and set(lengths) <= set(shared.lengths) \
             and max_length <= shared.max_length:
@@ -183,7 +185,7 @@ def _first_pass(model, adapter, calibration, lengths: list[int], max_length: int
         if model_fingerprint(model) == shared.fingerprint:
             distances, tables, similarity = shared.measured
             return distances, [t for t in tables if t.fit_length in lengths], similarity
-    return _measure(model, adapter, calibration, lengths, max_length, moments)
+    return _measure(model, adapter, calibration, lengths, max_length, moments, description)
 
 
 def _refit_equations(model, adapter, calibration, start: int, length: int) -> NormalEquations:
