@@ -25,6 +25,8 @@ from transformers import AutoModelForCausalLM
 
 from blockfold.data import Batch, CalibrationSet
 
+PIPELINES = ["whole", "sequential"]
+
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = Path(os.environ.get("BLOCKFOLD_DATA", REPO.parent / "shared" / "data"))
 
@@ -73,8 +75,28 @@ def random_calibration(num_sequences=8, length=24, batch_size=4, seed=1) -> Cali
     return CalibrationSet(batches, {"source": "random", "sequences": num_sequences, "tokens": ids.numel()})
 
 
+def handle_of(model, tokenizer=None):
+    """A resident ModelHandle of a model built in memory (no checkpoint behind it)."""
+    from blockfold.api import as_handle
+
+    return as_handle(model, tokenizer, None)
+
+
+def stream(model, calibration, observers, pipeline: str = "whole", **execution) -> None:
+    """One pass of ``calibration`` through ``model`` with ``observers``, by the named pipeline."""
+    from blockfold.pipelines import Runner
+    from blockfold.runtime import Execution
+
+    Runner(handle_of(model), Execution(pipeline=pipeline, **execution)).run(calibration, observers)
+
+
 @pytest.fixture(params=ARCHITECTURES)
 def arch(request) -> str:
+    return request.param
+
+
+@pytest.fixture(params=PIPELINES)
+def pipeline(request) -> str:
     return request.param
 
 

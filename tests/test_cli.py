@@ -60,7 +60,7 @@ def test_compress_and_eval_tiny_model(capsys, tiny_folder, corpus, tmp_path):
     assert "blockfold compress" in printed and "perplexity" in printed
     manifest = json.loads((out / MANIFEST_NAME).read_text())
     assert manifest["num_layers"] == 4 and manifest["calibration"]["tokens"] == 8 * 32
-    assert Recipe.from_yaml(out / "blockfold_recipe.yaml").blocks == 2
+    assert Recipe.from_yaml(out / "blockfold_recipe.yaml").settings.blocks == 2
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "no staging folder left behind"
     results = tmp_path / "eval.json"
     assert main(["eval", "--model", str(out), "--ppl", str(corpus), "--seq-len", "32", "--json", str(results)]) == 0
@@ -76,7 +76,7 @@ def test_recipe_file_with_flag_override(capsys, tiny_folder, corpus, tmp_path):
     assert main(["compress", "--model", str(tiny_folder), "--calib", str(corpus), "--out", str(out),
                  "--recipe", str(recipe), "--blocks", "2", "--cosine-steps", "5"]) == 0
     manifest = json.loads((out / MANIFEST_NAME).read_text())
-    assert manifest["recipe"]["blocks"] == 2 and manifest["recipe"]["estimator"] == "cosine"
+    assert manifest["recipe"]["settings"]["blocks"] == 2 and manifest["recipe"]["settings"]["estimator"] == "cosine"
     assert manifest["transform"]["numerical_fit"]["loss_end"] <= manifest["transform"]["numerical_fit"]["loss_start"]
 
 
@@ -157,13 +157,12 @@ print(json.dumps(out.tolist()))
 
 def test_saved_output_reloads_without_blockfold_and_generates_same_tokens(arch, tmp_path):
     import blockfold
-    from blockfold.surgery import save_compressed
 
     model = tiny_model(arch)
     from conftest import random_calibration
 
     result = blockfold.compress(model, tiny_tokenizer(), {"blocks": 2}, calibration=random_calibration())
-    out = save_compressed(result.model, tiny_tokenizer(), tmp_path / "out", result.manifest, "blocks: 2\n")
+    out = result.save(tmp_path / "out")
     ids = [[5, 17, 33, 8, 61, 20]]
     expected = model.generate(torch.tensor(ids), max_new_tokens=12, do_sample=False, use_cache=True, pad_token_id=0)
     completed = subprocess.run([sys.executable, "-c", RELOAD_SCRIPT, str(out), json.dumps(ids)],
@@ -218,7 +217,7 @@ def test_compress_variants_through_the_cli(capsys, tiny_folder, corpus, tmp_path
     assert all(span["transform"]["estimator"] == "lowrank" for span in manifest["spans"])
     assert [part["weight"] for part in manifest["calibration"]["mix"]] == [0.5, 0.5]
     recipe = Recipe.from_yaml(out / "blockfold_recipe.yaml")
-    assert (recipe.spans, recipe.rank, recipe.estimator) == (2, 4, "lowrank")
+    assert (recipe.settings.spans, recipe.settings.rank, recipe.settings.estimator) == (2, 4, "lowrank")
 
 
 @pytest.mark.parametrize("argv, needles", [

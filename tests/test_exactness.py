@@ -7,13 +7,13 @@ import copy
 import numpy as np
 import pytest
 import torch
-from conftest import random_calibration, tiny_model
+from conftest import handle_of, random_calibration, stream, tiny_model
 
 import blockfold
 from blockfold.adapters import get_adapter
-from blockfold.data import Batch, CalibrationSet
+from blockfold.data import CalibrationSet
 from blockfold.estimate import fit_lstsq
-from blockfold.stats import SpanStatistics, stream_activations
+from blockfold.stats import SpanStatistics
 from blockfold.surgery import fold_into_down_proj, remove_blocks
 
 
@@ -40,7 +40,7 @@ def test_folded_model_matches_explicit_transform(arch):
     setattr(mlp, adapter.down_proj_attr, _ExplicitTransform(adapter.down_proj(adapter.layers(reference)[start - 1]), transform))
     remove_blocks(reference, adapter, span)
 
-    fold_into_down_proj(adapter.down_proj(adapter.layers(model)[start - 1]), transform)
+    fold_into_down_proj(handle_of(model), adapter.down_proj(adapter.layers(model)[start - 1]), transform)
     remove_blocks(model, adapter, span)
 
     ids = torch.randint(4, 96, (2, 20))
@@ -73,7 +73,7 @@ def test_lstsq_equals_numpy_lstsq(arch):
     adapter = get_adapter(model)
     calibration = random_calibration(num_sequences=8, length=24)
     stats = SpanStatistics(6, max_length=2, fit_length=2)
-    stream_activations(model, adapter, calibration, [stats])
+    stream(model, calibration, [stats])
     table = stats.finalize()
     ids = torch.cat([b.input_ids for b in calibration])
     for start in (1, 2, 3):
@@ -98,14 +98,13 @@ def _ragged_calibration(lengths, side, batch_size, seed=5):
 
 
 @pytest.mark.parametrize("side", ["right", "left"])
-def test_padding_does_not_change_statistics(arch, side):
+def test_padding_does_not_change_statistics(arch, side, pipeline):
     model = tiny_model(arch)
-    adapter = get_adapter(model)
     lengths = [24, 9, 17, 5, 24, 12]
     tables = []
     for batch_size in (1, 3):  # batch_size 1: no padding at all
         stats = SpanStatistics(6, max_length=3, fit_length=2)
-        stream_activations(model, adapter, _ragged_calibration(lengths, side, batch_size), [stats])
+        stream(model, _ragged_calibration(lengths, side, batch_size), [stats], pipeline)
         tables.append(stats.finalize())
     unpadded, padded = tables
     assert padded.tokens == unpadded.tokens == sum(lengths)
@@ -119,13 +118,12 @@ def test_padding_does_not_change_statistics(arch, side):
 
 def test_statistics_merge_equals_single_pass():
     model = tiny_model("llama")
-    adapter = get_adapter(model)
     calibration = random_calibration(num_sequences=8)
     whole = SpanStatistics(6, 2, 2)
-    stream_activations(model, adapter, calibration, [whole])
+    stream(model, calibration, [whole])
     shards = [SpanStatistics(6, 2, 2), SpanStatistics(6, 2, 2)]
     for shard, batch in zip(shards, calibration.batches):
-        stream_activations(model, adapter, [batch], [shard])
+        stream(model, [batch], [shard])
     merged = shards[0].merge(shards[1]).finalize()
     whole = whole.finalize()
     np.testing.assert_allclose(merged.angular_all, whole.angular_all, rtol=1e-12)
@@ -184,8 +182,8 @@ def test_linearized_norm_fold_matches_explicit_linear_map(arch):
     hook.remove()
     max_rms = float((captured[0].double() @ transform).pow(2).mean(-1).sqrt().max())
     norm = adapter.mlp_norm(adapter.layers(model)[block])
-    fold_through_linearized_norm(adapter.down_proj(adapter.layers(model)[block]), norm, transform, max_rms,
-                                 adapter.norm_eps(norm), adapter.set_norm_scale)
+    fold_through_linearized_norm(handle_of(model), adapter.down_proj(adapter.layers(model)[block]), norm, transform,
+                                 max_rms)
     with torch.no_grad():
         expected, got = reference(ids).logits, model(ids).logits
     diff = (got - expected).abs().max().item()
@@ -206,7 +204,6 @@ def test_sandwich_fit_records_both_regimes_and_never_worse_than_either(estimator
 def test_attention_capture_decomposes_each_block(arch):
     """With attention captured, block_in + attention + MLP contributions == block_out, token by token."""
     model = tiny_model(arch)
-    adapter = get_adapter(model)
     seen = []
 
     class _Check:
@@ -220,5 +217,5 @@ def test_attention_capture_decomposes_each_block(arch):
         def end_batch(self):
             pass
 
-    stream_activations(model, adapter, random_calibration(num_sequences=4), [_Check()])
+    stream(model, random_calibration(num_sequences=4), [_Check()])
     assert len(seen) == 6 and max(seen) < 1e-5

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import random_calibration, tiny_model, tiny_tokenizer
+from conftest import handle_of, random_calibration, tiny_model, tiny_tokenizer
 from transformers import AutoModelForCausalLM
 
 import blockfold
@@ -65,7 +65,7 @@ def test_heal_cli_saves_a_checkpoint_plain_transformers_loads(tmp_path):
     model, manifest = _compressed({"blocks": 2})
     from blockfold.surgery import save_compressed
 
-    source = save_compressed(model, tiny_tokenizer(), tmp_path / "rm2", manifest, "method: replaceme\n")
+    source = save_compressed(handle_of(model, tiny_tokenizer()), tmp_path / "rm2", manifest, "method: replaceme\n")
     data = tmp_path / "train.jsonl"
     data.write_text("\n".join(json.dumps({"text": " ".join(f"w{(i * k) % 90}" for i in range(80))}) for k in range(1, 12)))
     out = tmp_path / "healed"

@@ -9,13 +9,13 @@ from collections import defaultdict
 import numpy as np
 import pytest
 import torch
-from conftest import random_calibration, tiny_model
+from conftest import random_calibration, stream, tiny_model
 
 from blockfold.adapters import get_adapter
 from blockfold.errors import BlockfoldError
 from blockfold.estimate import fit_lmmse
 from blockfold.select import LINEARITY_CRITERIA, cca_bound, cosine_distance, nmse, rank_layers, score_layers
-from blockfold.stats import LayerActivations, SublayerLinearity, stream_activations
+from blockfold.stats import LayerActivations, SublayerLinearity
 
 D, ROWS = 16, 5000
 
@@ -194,7 +194,7 @@ def test_streamed_statistics_match_direct_computation(arch):
     adapter = get_adapter(model)
     calibration = random_calibration(num_sequences=8, length=24)
     observers = {target: SublayerLinearity(6, target) for target in ("attention", "block")}
-    stream_activations(model, adapter, calibration, list(observers.values()))
+    stream(model, calibration, list(observers.values()))
     attention, block = (observers[target].finalize() for target in ("attention", "block"))
     direct = _direct_activations(model, adapter, calibration)
 
@@ -240,7 +240,7 @@ def test_truly_linear_attention_is_found():
     bias = 0.1 * torch.randn(32, generator=generator)
     adapter.layers(model)[2].self_attn = _LinearAttention(weight, bias)
     observer = SublayerLinearity(6, "attention")
-    stream_activations(model, adapter, random_calibration(num_sequences=16, length=32), [observer])
+    stream(model, random_calibration(num_sequences=16, length=32), [observer])
     statistics = observer.finalize()
 
     assert cca_bound(statistics[2]) < 1e-6

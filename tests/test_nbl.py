@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from conftest import random_calibration, tiny_model, tiny_tokenizer
+from conftest import handle_of, random_calibration, stream, tiny_model, tiny_tokenizer
 from transformers import Qwen2Config
 
 import blockfold
@@ -19,11 +19,11 @@ from blockfold.adapters import get_adapter
 from blockfold.errors import BlockfoldError
 from blockfold.estimate import fit_lmmse
 from blockfold.eval.speed import kv_cache_bytes, kv_cache_bytes_per_layer, parameter_counts
-from blockfold.methods.nbl import sublayer_statistics
 from blockfold.methods.sleb import candidate_losses
 from blockfold.models import load_model
 from blockfold.select import cca_bound, nmse, score_layers
-from blockfold.surgery import LINEARIZED_FIELD, remove_blocks, save_compressed
+from blockfold.stats import SublayerLinearity
+from blockfold.surgery import LINEARIZED_FIELD, remove_blocks
 
 IDS = torch.randint(4, 96, (2, 20), generator=torch.Generator().manual_seed(7))
 
@@ -60,11 +60,17 @@ def _with_linear_maps(model, maps: dict[int, tuple[torch.Tensor, torch.Tensor]],
             handle.remove()
 
 
+def _statistics(model, calibration, target: str):
+    observer = SublayerLinearity(model.config.num_hidden_layers, target)
+    stream(model, calibration, [observer])
+    return observer.finalize()
+
+
 @pytest.mark.parametrize("target", ["attention", "block"])
 def test_replaced_sublayer_computes_exactly_its_lmmse_map(arch, target, tokenizer):
     model = tiny_model(arch)
     calibration = random_calibration(num_sequences=16, length=32)
-    statistics = sublayer_statistics(model, get_adapter(model), calibration, target)
+    statistics = _statistics(model, calibration, target)
     method, budget = ("nbl", "attention_layers") if target == "attention" else ("nbl-block", "blocks")
     result = blockfold.compress(model, tokenizer, {"method": method, budget: 2}, calibration=calibration)
     layers = result.manifest["replaced"]["layers"]
@@ -90,7 +96,7 @@ def test_truly_linear_attention_is_found_and_recovered(tokenizer):
     model = _qwen_with_linear_attention()
     assert model.config.layer_types == ["full_attention"] * 3 + ["sliding_attention"] * 3
     calibration = random_calibration(num_sequences=16, length=32)
-    statistics = sublayer_statistics(model, get_adapter(model), calibration, "attention")
+    statistics = _statistics(model, calibration, "attention")
     for index in (3, 4, 5):
         assert cca_bound(statistics[index]) < 1e-5 and nmse(statistics[index]) < 1e-8
     for index in (0, 1, 2):
@@ -166,7 +172,7 @@ def test_sleb_candidate_scores_equal_the_perplexity_of_each_pruned_model():
     model = tiny_model("gemma3_text")
     calibration = random_calibration(num_sequences=4, length=16)
     adapter = get_adapter(model)
-    scores = candidate_losses(model, adapter, calibration, [1, 3, 5])
+    scores = candidate_losses(handle_of(model), list(calibration), [1, 3, 5])
     for block, score in scores.items():
         pruned = tiny_model("gemma3_text")
         remove_blocks(pruned, adapter, [block])
@@ -206,7 +212,7 @@ def test_attention_budget_is_checked(tokenizer):
     with pytest.raises(BlockfoldError, match="--attn between 1 and 6"):
         blockfold.compress(tiny_model("llama"), tokenizer, {"method": "nbl", "attention_layers": 7},
                            calibration=random_calibration())
-    assert blockfold.Recipe.parse({"method": "drop-attn", "ratio": 0.5}).num_attention_layers_to_replace(6) == 3
+    assert blockfold.Recipe.parse({"method": "drop-attn", "ratio": 0.5}).settings.num_attention_layers(6) == 3
 
 
 # -- checkpoints ---------------------------------------------------------------------------------
@@ -233,7 +239,7 @@ def test_linearized_checkpoint_reloads_without_blockfold_and_generates_same_toke
     model = tiny_model(arch)
     budget = {"blocks": 2} if method == "nbl-block" else {"attention_layers": 2}
     result = blockfold.compress(model, tiny_tokenizer(), {"method": method, **budget}, calibration=random_calibration())
-    out = save_compressed(result.model, tiny_tokenizer(), tmp_path / "out", result.manifest, "")
+    out = result.save(tmp_path / "out")
     assert (out / "modeling_blockfold.py").is_file()
     ids = [[5, 17, 33, 8, 61, 20]]
     expected = model.generate(torch.tensor(ids), max_new_tokens=12, do_sample=False, use_cache=True, pad_token_id=0)

@@ -14,7 +14,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import shared_file
+from conftest import handle_of, shared_file
 
 import blockfold
 from blockfold.data import build_calibration
@@ -56,7 +56,7 @@ print(json.dumps(model.generate(ids, max_new_tokens=16, do_sample=False, use_cac
 
 def _assert_reloads_and_generates_same(model, tokenizer, manifest, tmp_path, remote_code=False):
     """Saved, then loaded in a process where blockfold cannot be imported, run from another folder."""
-    out = save_compressed(model, tokenizer, tmp_path / "out", manifest, "")
+    out = save_compressed(handle_of(model, tokenizer), tmp_path / "out", manifest, "")
     prompt = "The history of the city begins"
     ids = tokenizer(prompt, return_tensors="pt").input_ids
     expected = model.generate(ids, max_new_tokens=16, do_sample=False, use_cache=True).tolist()

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from conftest import random_calibration, tiny_model
+from conftest import handle_of, random_calibration, stream, tiny_model
 from test_baselines import _make_blocks_identity
 
 import blockfold
@@ -107,13 +107,10 @@ def _moments(x: torch.Tensor, y: torch.Tensor) -> LinearStatistics:
 def test_stream_similarity_matches_direct_moments(tokenizer):
     """Streamed, sharded moments of (h[s], h[s+2]) equal those computed from the full hidden states."""
     model = tiny_model("llama")
-    adapter = get_adapter(model)
     calibration = random_calibration()
-    from blockfold.stats import stream_activations
-
     shards = [StreamSimilarity(6, [2]), StreamSimilarity(6, [2])]
     for shard, batch in zip(shards, calibration.batches):
-        stream_activations(model, adapter, [batch], [shard])
+        stream(model, [batch], [shard])
     moments = shards[0].merge(shards[1]).finalize()
     ids = torch.cat([b.input_ids for b in calibration.batches])
     with torch.no_grad():
@@ -228,14 +225,20 @@ def test_cosine_l1_penalty_shrinks_the_transform(tokenizer):
     assert sums[1] < sums[0]
 
 
-def test_every_criterion_is_recorded_for_every_candidate(tokenizer):
+def test_every_criterion_the_pass_measured_is_recorded_for_every_candidate(tokenizer):
+    """Only what the criterion needs is accumulated: the default pass has the distances and the fitted
+    maps' errors, not the stream moments behind CKA and CCA, which a CKA run adds."""
     result = blockfold.compress(tiny_model("llama"), tokenizer, {"blocks": 2}, calibration=random_calibration())
     selection = result.manifest["selection"]
     assert selection["criterion"] == "fit_error_stream"
     scores = selection["scores_per_criterion"]
-    assert set(scores) == {"angular_last", "angular_all", "block_influence", "cka", "cca", "fit_error", "fit_error_stream"}
+    assert set(scores) == {"angular_last", "angular_all", "block_influence", "fit_error", "fit_error_stream"}
     assert all(set(values) == {1, 2, 3, 4} for values in scores.values())
     assert selection["start"] == min(scores["fit_error_stream"], key=scores["fit_error_stream"].get)
+    assert selection["statistics"]["sums"] == "full"
+    cka = blockfold.compress(tiny_model("llama"), tokenizer, {"blocks": 2, "criterion": "cka"},
+                             calibration=random_calibration()).manifest["selection"]["scores_per_criterion"]
+    assert {"cka", "cca"} <= set(cka) and all(set(cka[name]) == {1, 2, 3, 4} for name in ("cka", "cca"))
 
 
 def test_uidl_still_selects_by_angular_distance(tokenizer):
@@ -247,7 +250,10 @@ def test_uidl_still_selects_by_angular_distance(tokenizer):
     ({"estimator": "lstsq", "rank": 4}, "lowrank estimator only"),
     ({"spans": 2, "greedy": True}, "cannot be combined"),
     ({"spans": 2, "span_start": 3}, "cannot be combined"),
-    ({"method": "nbl", "spans": 2}, "applies to"),
+    ({"method": "nbl", "spans": 2}, "spans does not apply to method 'nbl'"),
+    ({"method": "nbl", "estimator": "lstsq"}, "estimator does not apply to method 'nbl'"),
+    ({"linearity_criterion": "cca"}, "linearity_criterion does not apply to method 'replaceme'"),
+    ({"estimator": "diagonal", "sandwich_fold": "through-norm"}, "constraint would not hold"),
     ({"calibration": {"source": "a.jsonl:0.5,b.jsonl"}}, "every part a weight"),
     ({"calibration": {"source": "a.jsonl:0,b.jsonl:1"}}, "positive"),
 ])
@@ -257,17 +263,20 @@ def test_recipe_rejects_inconsistent_variants(recipe, message):
 
 
 def test_lowrank_defaults_to_rank_32_and_spans_must_fit_the_budget():
-    assert Recipe.parse({"estimator": "lowrank"}).rank == 32
+    assert Recipe.parse({"estimator": "lowrank"}).settings.rank == 32
     with pytest.raises(BlockfoldError, match="--spans at most 2"):
-        Recipe.parse({"blocks": 2, "spans": 3}).num_blocks_to_remove(6)
+        Recipe.parse({"blocks": 2, "spans": 3}).settings.num_blocks(6)
 
 
 def test_a_shared_first_pass_gives_the_same_compressions(tokenizer):
-    """A sweep's one pass for several budgets: the same removed blocks and the same folded weights as
-    one pass per compression; a copy with other weights is not served the shared statistics."""
+    """A sweep's one pass for several budgets, handed to each compression as an argument: the same
+    removed blocks and the same folded weights as one pass per compression, and no pass of their own;
+    a copy with other weights is not served the shared statistics."""
     import copy
 
-    from blockfold.methods.replaceme import shared_first_pass
+    from blockfold.methods import PassCache
+    from blockfold.runtime import Execution
+    from blockfold.sweep import _shared_span_pass
 
     base, calibration = tiny_model("llama"), random_calibration(num_sequences=16)
     separate = {}
@@ -275,13 +284,16 @@ def test_a_shared_first_pass_gives_the_same_compressions(tokenizer):
         model = copy.deepcopy(base)
         manifest = blockfold.compress(model, tokenizer, {"method": method, "blocks": blocks}, calibration=calibration).manifest
         separate[(method, blocks)] = (manifest["removed_blocks"], model.state_dict())
-    with shared_first_pass(base, calibration, [1, 2]):
-        for (method, blocks), (removed, weights) in separate.items():
-            model = copy.deepcopy(base)
-            manifest = blockfold.compress(model, tokenizer, {"method": method, "blocks": blocks}, calibration=calibration).manifest
-            assert manifest["removed_blocks"] == removed
-            assert all(torch.allclose(weights[k], v, atol=1e-6) for k, v in model.state_dict().items())
-        other = tiny_model("llama", seed=3)
-        expected = blockfold.compress(copy.deepcopy(other), tokenizer, {"blocks": 2}, calibration=calibration).manifest
-    assert blockfold.compress(copy.deepcopy(other), tokenizer, {"blocks": 2}, calibration=calibration).manifest[
-        "selection"]["candidates"] == expected["selection"]["candidates"]
+    cache = PassCache()
+    _shared_span_pass(handle_of(base, tokenizer), calibration, [1, 2], Execution(), cache)
+    for (method, blocks), (removed, weights) in separate.items():
+        model = copy.deepcopy(base)
+        manifest = blockfold.compress(model, tokenizer, {"method": method, "blocks": blocks}, calibration=calibration,
+                                      cache=cache).manifest
+        assert manifest["removed_blocks"] == removed and manifest["execution"]["passes"] == 0
+        assert all(torch.allclose(weights[k], v, atol=1e-6) for k, v in model.state_dict().items())
+    other = tiny_model("llama", seed=3)
+    expected = blockfold.compress(copy.deepcopy(other), tokenizer, {"blocks": 2}, calibration=calibration).manifest
+    got = blockfold.compress(copy.deepcopy(other), tokenizer, {"blocks": 2}, calibration=calibration, cache=cache).manifest
+    assert got["execution"]["passes"] == 1
+    assert got["selection"]["candidates"] == expected["selection"]["candidates"]

@@ -12,7 +12,7 @@ import subprocess
 
 import pytest
 import torch
-from conftest import tiny_model, tiny_tokenizer
+from conftest import handle_of, tiny_model, tiny_tokenizer
 
 from blockfold.cli import main
 from blockfold.sweep import spearman
@@ -125,19 +125,23 @@ def test_placement_reuses_the_shared_pass_with_identical_results(tiny_and_corpus
     import blockfold.methods.replaceme as replaceme
     from blockfold.data import build_calibration
     from blockfold.eval import tokenize_windows
+    from blockfold.methods import PassCache
     from blockfold.recipe import CalibrationConfig
-    from blockfold.sweep import placement_study
+    from blockfold.runtime import Execution
+    from blockfold.sweep import _shared_span_pass, placement_study
 
     _, corpus = tiny_and_corpus
     model, tokenizer = tiny_model("llama"), tiny_tokenizer()
+    handle = handle_of(model, tokenizer)
     calibration = build_calibration(CalibrationConfig.parse({"source": str(corpus), "num_sequences": 8,
                                                              "sequence_length": 32}), tokenizer, model)
     windows = tokenize_windows(corpus.read_text(), tokenizer, 32, 2)
-    alone = placement_study(model, calibration, 2, windows)
+    alone = placement_study(handle, calibration, 2, windows)
     passes = []
     measure = replaceme._measure
-    monkeypatch.setattr(replaceme, "_measure", lambda *args, **kwargs: passes.append(args[4]) or measure(*args, **kwargs))
-    with replaceme.shared_first_pass(model, calibration, [1, 2]):
-        shared = placement_study(model, calibration, 2, windows)
+    monkeypatch.setattr(replaceme, "_measure", lambda *args, **kwargs: passes.append(args[2]) or measure(*args, **kwargs))
+    cache = PassCache()
+    _shared_span_pass(handle, calibration, [1, 2], Execution(), cache)
+    shared = placement_study(handle, calibration, 2, windows, cache=cache)
     assert passes == [2], "only the shared pass ran"
     assert shared == alone

@@ -1,10 +1,14 @@
 """blockfold: training-free depth compression of transformer LMs with fitted linear maps."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
-from blockfold.api import CompressionResult, compress  # noqa: E402
+from blockfold.api import CompressionResult, compress, open_model  # noqa: E402
 from blockfold.errors import BlockfoldError  # noqa: E402
-from blockfold.models import load_model  # noqa: E402
+from blockfold.models import ModelHandle, load_model  # noqa: E402
 from blockfold.recipe import CalibrationConfig, Recipe  # noqa: E402
+from blockfold.runtime import Execution  # noqa: E402
+from blockfold.settings import NBL, SLEB, UIDL, DropAttention, DropBlock, NBLBlock, ReplaceMe  # noqa: E402
 
-__all__ = ["BlockfoldError", "CalibrationConfig", "CompressionResult", "Recipe", "__version__", "compress", "load_model"]
+__all__ = ["NBL", "SLEB", "UIDL", "BlockfoldError", "CalibrationConfig", "CompressionResult", "DropAttention",
+           "DropBlock", "Execution", "ModelHandle", "NBLBlock", "Recipe", "ReplaceMe", "__version__", "compress",
+           "load_model", "open_model"]

@@ -16,10 +16,12 @@ from pathlib import Path
 
 import numpy as np
 
-from blockfold.adapters import get_adapter
 from blockfold.data import CalibrationSet
+from blockfold.models.handle import ModelHandle
+from blockfold.pipelines import Runner
+from blockfold.runtime import Execution
 from blockfold.select import best_span, by_start, cca_bound, nmse
-from blockfold.stats import SpanStatistics, SublayerLinearity, stream_activations
+from blockfold.stats import SpanStatistics, SublayerLinearity
 from blockfold.stats.similarity import StreamSubsample, pairwise_linear_cka
 from blockfold.report import plots
 from blockfold.surgery import staged_folder
@@ -29,21 +31,21 @@ def _finite(array: np.ndarray) -> list:
     return [[None if not math.isfinite(v) else float(v) for v in row] for row in array.tolist()]
 
 
-def analyze(model, calibration: CalibrationSet, out: Path, cka_tokens: int = 1024, seed: int = 0,
-            overwrite: bool = False) -> dict:
+def analyze(handle: ModelHandle, calibration: CalibrationSet, out: Path, cka_tokens: int = 1024, seed: int = 0,
+            overwrite: bool = False, execution: Execution | None = None) -> dict:
     """Run the pass and write the folder ``out`` (staged, then renamed into place)."""
     with staged_folder(out, overwrite) as stage:
-        return _analyze(model, calibration, stage, cka_tokens, seed)
+        return _analyze(handle, calibration, stage, cka_tokens, seed, execution)
 
 
-def _analyze(model, calibration: CalibrationSet, out: Path, cka_tokens: int, seed: int) -> dict:
-    adapter = get_adapter(model)
-    num_layers = adapter.num_layers(model)
+def _analyze(handle: ModelHandle, calibration: CalibrationSet, out: Path, cka_tokens: int, seed: int,
+             execution: Execution | None = None) -> dict:
+    num_layers = handle.num_layers()
     spans = SpanStatistics(num_layers, max_length=num_layers)
     subsample = StreamSubsample(num_layers, cka_tokens, calibration.num_tokens, seed)
     attention, blocks = SublayerLinearity(num_layers, "attention"), SublayerLinearity(num_layers, "block")
     started = time.perf_counter()
-    stream_activations(model, adapter, calibration, [spans, subsample, attention, blocks], description="analysis pass")
+    Runner(handle, execution).run(calibration, [spans, subsample, attention, blocks], description="analysis pass")
     table = spans.finalize()
     cosine = np.full((num_layers + 1, num_layers + 1), np.nan)
     for i in range(num_layers + 1):

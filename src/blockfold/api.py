@@ -1,72 +1,178 @@
-"""The one-verb Python API: ``blockfold.compress(model, tokenizer, recipe)``."""
+"""The one-verb Python API: ``blockfold.compress(model, recipe)``, then ``result.save(folder)``.
+
+``model`` is a model spec (built-in name, folder, ``.gguf`` file, hub id), a ``ModelHandle``, or a
+``PreTrainedModel`` already in memory; ``recipe`` a ``Recipe``, a method's settings
+(``blockfold.ReplaceMe(blocks=8)``) or a dict. Where and how it runs (device, precision, pipeline)
+is the ``execution``'s business, not the recipe's.
+"""
 
 from __future__ import annotations
 
 import platform
+import subprocess
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import transformers
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from blockfold import __version__
-from blockfold.adapters import get_adapter
 from blockfold.data import CalibrationSet, build_calibration
-from blockfold.recipe import Recipe
+from blockfold.errors import BlockfoldError
+from blockfold.models import ModelHandle, WeightStore
+from blockfold.recipe import SELF_GENERATED, Recipe, calibration_sources
+from blockfold.runtime import DTYPE_NAMES, Execution, resolve_device
+
+#: the whole-model pipeline is chosen when the weights take at most this share of the device's free memory
+WHOLE_MODEL_SHARE = 0.5
 
 
 @dataclass
 class CompressionResult:
-    model: PreTrainedModel
+    handle: ModelHandle
     manifest: dict
+    recipe: Recipe
+
+    @property
+    def model(self) -> PreTrainedModel:
+        return self.handle.model
+
+    def save(self, out: str | Path, overwrite: bool = False, save_dtype: torch.dtype | str | None = None) -> Path:
+        """Write the compressed checkpoint (tensor by tensor, staged then renamed), its manifest and recipe."""
+        from blockfold.runtime import DTYPES
+        from blockfold.surgery import save_compressed
+
+        dtype = DTYPES[save_dtype] if isinstance(save_dtype, str) and save_dtype != "auto" else (
+            None if save_dtype in (None, "auto") else save_dtype)
+        return save_compressed(self.handle, out, self.manifest, self.recipe.to_yaml(), overwrite, dtype)
+
+
+def git_commit() -> str | None:
+    """The commit of the blockfold checkout this runs from (None when installed from a wheel)."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True,
+                             timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
 
 
 def environment() -> dict:
-    return {"blockfold": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
-            "python": platform.python_version(), "machine": platform.machine(), "threads": torch.get_num_threads()}
+    return {"blockfold": __version__, "commit": git_commit(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "python": platform.python_version(),
+            "machine": platform.machine(), "threads": torch.get_num_threads(),
+            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
 
 
 def count_parameters(model: PreTrainedModel) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def open_model(spec: str, execution: Execution | None = None, check=None) -> ModelHandle:
+    """Load ``spec`` for compression: resident when the pipeline is ``whole`` (or ``auto`` and the
+    weights fit comfortably on the device), else as a skeleton streamed layer by layer."""
+    from blockfold.models.checkpoint import CheckpointReader, has_safetensors
+    from blockfold.models.sources import load_model, resolve_model_path
+    from blockfold.runtime import free_memory, resolve_dtype
+
+    execution = execution or Execution()
+    pipeline = execution.pipeline
+    if pipeline == "auto":
+        location = resolve_model_path(spec)
+        pipeline = "whole"
+        if isinstance(location, Path) and has_safetensors(location):
+            reader = CheckpointReader(location)
+            device = resolve_device(execution.device)
+            dtype = resolve_dtype(execution.dtype, device, reader.floating_dtype())
+            weights = sum(reader.nbytes(name) // reader.dtype(name).itemsize for name in reader.names()) * dtype.itemsize
+            free = free_memory(device)
+            if free is not None and weights > WHOLE_MODEL_SHARE * free:
+                pipeline = "sequential"
+    return load_model(spec, dtype=execution.dtype, device=execution.device, check=check, pipeline=pipeline)
+
+
+def as_handle(model, tokenizer: PreTrainedTokenizerBase | None, execution: Execution | None) -> ModelHandle:
+    if isinstance(model, ModelHandle):
+        return model
+    if isinstance(model, str):
+        from blockfold.adapters import get_adapter
+
+        return open_model(model, execution, check=get_adapter)
+    if isinstance(model, PreTrainedModel):
+        model.eval()
+        model.requires_grad_(False)
+        parameter = next(model.parameters())
+        return ModelHandle(model, tokenizer, parameter.device, parameter.dtype, WeightStore(None))
+    raise BlockfoldError(f"cannot compress a {type(model).__name__}: give a model spec, a ModelHandle or a "
+                         "transformers PreTrainedModel")
+
+
+def as_recipe(recipe) -> Recipe:
+    from blockfold.settings import MethodSettings
+
+    if isinstance(recipe, Recipe):
+        return recipe
+    if isinstance(recipe, MethodSettings):
+        return Recipe.of(recipe)
+    return Recipe.parse(recipe or {})
+
+
 def compress(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    recipe: Recipe | dict | None = None,
+    model,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    recipe=None,
     calibration: CalibrationSet | None = None,
+    *,
+    execution: Execution | None = None,
+    cache=None,
 ) -> CompressionResult:
-    """Compress ``model`` in place as ``recipe`` says; returns the model and its manifest.
+    """Compress ``model`` in place as ``recipe`` says; returns the handle, the manifest and the recipe.
 
     ``calibration`` may be given to reuse token batches across runs; otherwise it is built from
-    ``recipe.calibration``.
+    ``recipe.calibration``. ``cache`` (a ``methods.PassCache``) lets compressions of the same weights
+    share their first pass.
     """
-    from blockfold.methods import METHODS
+    from blockfold.methods import METHODS, Job
+    from blockfold.pipelines import Runner
 
-    recipe = recipe if isinstance(recipe, Recipe) else Recipe.parse(recipe or {})
-    adapter = get_adapter(model)
-    model.eval()
-    model.requires_grad_(False)
-    original_layers = adapter.num_layers(model)
-    original_parameters = count_parameters(model)
+    recipe = as_recipe(recipe)
+    execution = execution or Execution()
+    handle = as_handle(model, tokenizer, execution)
+    tokenizer = tokenizer or handle.tokenizer
+    if tokenizer is None:
+        raise BlockfoldError("compress needs the model's tokenizer for its calibration text: pass tokenizer=")
+    original_layers = handle.num_layers()
+    original_parameters = count_parameters(handle.model)
     if calibration is None:
-        calibration = build_calibration(recipe.calibration, tokenizer, model)
+        if not handle.resident and any(name == SELF_GENERATED for name, _ in calibration_sources(recipe.calibration.source)):
+            raise BlockfoldError("self-generated calibration needs the whole model to generate text, and this one runs "
+                                 "layer by layer: give --calib FILE, or --pipeline whole where the model fits")
+        calibration = build_calibration(recipe.calibration, tokenizer, handle.model)
+    runner = Runner(handle, execution)
+    job = Job(handle, recipe.settings, calibration, runner, cache, seed=recipe.calibration.seed)
     started = time.perf_counter()
-    details = METHODS[recipe.method](model, tokenizer, recipe, calibration)
+    details = METHODS[recipe.method](job)
     elapsed = time.perf_counter() - started
     manifest = {
-        "format": "blockfold-manifest/1",
+        "format": "blockfold-manifest/2",
         "method": recipe.method,
-        "architecture": {"model_type": model.config.model_type, "adapter": adapter.name},
+        "architecture": {"model_type": handle.model.config.model_type, "adapter": handle.adapter.name},
         "original_num_layers": original_layers,
-        "num_layers": adapter.num_layers(model),
+        "num_layers": handle.num_layers(),
         "original_parameters": original_parameters,
-        "parameters": count_parameters(model),
+        "parameters": count_parameters(handle.model),
         **details,
         "calibration": calibration.description,
         "recipe": recipe.model_dump(mode="json"),
+        "execution": {"pipeline": runner.pipeline, "device": str(handle.device),
+                      "dtype": DTYPE_NAMES.get(handle.dtype, str(handle.dtype)), "passes": runner.passes,
+                      **({"sequences_per_chunk": execution.chunk_sequences} if execution.chunk_sequences else {}),
+                      "offload": execution.offload},
         "compress_seconds": elapsed,
         "environment": environment(),
     }
-    return CompressionResult(model, manifest)
+    if handle.spec:
+        manifest["source_model"] = {"spec": handle.spec, "path": str(handle.path) if handle.path else None}
+    return CompressionResult(handle, manifest, recipe)

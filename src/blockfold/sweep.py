@@ -10,7 +10,6 @@ goes to ``sweep.json``; ``blockfold report`` renders it.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 import os
@@ -30,13 +29,15 @@ from blockfold.data import build_calibration
 from blockfold.errors import BlockfoldError
 from blockfold.eval import perplexity, read_eval_text, tokenize_windows
 from blockfold.eval.speed import kv_cache_bytes, parameter_counts, prefill_seconds
-from blockfold.recipe import CalibrationConfig, Recipe, _Strict
+from blockfold.recipe import CalibrationConfig, Recipe
+from blockfold.runtime import Execution
+from blockfold.schema import Strict
 from blockfold.surgery import staged_folder
 
 SWEEP_VERSION = 1
 
 
-class SweepConfig(_Strict):
+class SweepConfig(Strict):
     sweep_version: int = SWEEP_VERSION
     model: str
     methods: list[str] = Field(default_factory=lambda: ["replaceme", "uidl"])
@@ -56,6 +57,8 @@ class SweepConfig(_Strict):
     # what the models are measured in (perplexity, tasks, speed); compression always runs in the
     # loaded precision. bfloat16 halves the evaluation time on CPUs with AVX512-BF16 or AMX
     eval_dtype: Literal["float32", "bfloat16"] = "float32"
+    # where and in what precision the compressions run (the models stay resident for evaluation)
+    execution: Execution = Field(default_factory=Execution)
 
 
 def in_eval_dtype(model, dtype: str, copy_first: bool):
@@ -122,10 +125,10 @@ def run_sweep(config: SweepConfig, out: Path, overwrite: bool = False) -> dict:
 
 def _run_into(config: SweepConfig, stage: Path) -> dict:
     from blockfold.eval.tasks import relative_performance, task_configs
-    from blockfold.methods import ATTENTION_METHODS, METHODS, SPAN_METHODS
-    from blockfold.methods.replaceme import shared_first_pass
-    from blockfold.models import load_model, model_fingerprint
+    from blockfold.methods import METHODS, PassCache
+    from blockfold.models import load_model
     from blockfold.models.sources import cache_dir
+    from blockfold.settings import SETTINGS, AttentionBudget, SpanSelection
 
     unknown = [m for m in config.methods if m not in METHODS]
     if unknown:
@@ -133,16 +136,18 @@ def _run_into(config: SweepConfig, stage: Path) -> dict:
     if config.tasks:
         task_configs(config.tasks)  # fail on unknown tasks before hours of work
     text = read_eval_text(config.ppl_text) if config.ppl_text else None
-    loaded = load_model(config.model, check=get_adapter)
-    model, tokenizer = loaded.model, loaded.tokenizer
+    execution = config.execution
+    handle = load_model(config.model, dtype=execution.dtype, device=execution.device, check=get_adapter)
+    model, tokenizer = handle.model, handle.tokenizer
     windows = tokenize_windows(text, tokenizer, 512, config.ppl_windows) if text else None
     calibration = build_calibration(config.calibration, tokenizer, model)
     task_cache = cache_dir() / "tasks"
+    cache = PassCache()  # every compression of these weights shares the first pass it needs
     started = time.perf_counter()
     result = {
         "format": f"blockfold-sweep/{SWEEP_VERSION}", "config": config.model_dump(mode="json"),
-        "environment": {**environment(), "cpu": _cpu_name(), "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None},
-        "source_model": {"spec": config.model, "fingerprint": model_fingerprint(model)},
+        "environment": {**environment(), "cpu": _cpu_name()},
+        "source_model": {"spec": config.model, "fingerprint": handle.fingerprint()},
         "calibration": calibration.description, "runs": [],
     }
     original, original_measured = {}, in_eval_dtype(model, config.eval_dtype, copy_first=True)
@@ -151,24 +156,22 @@ def _run_into(config: SweepConfig, stage: Path) -> dict:
     result["original"] = original
 
     def one_run(method: str, budget: int) -> None:
-        budget_field = "attention_layers" if method in ATTENTION_METHODS else "blocks"
+        budget_field = "attention_layers" if issubclass(SETTINGS[method], AttentionBudget) else "blocks"
         recipe = Recipe.parse({"method": method, budget_field: budget,
                                "calibration": config.calibration.model_dump()}, origin=f"{method} at {budget}")
-        candidate = copy.deepcopy(model)
         run = {"method": method, "budget": budget, "budget_kind": budget_field}
         with emissions(run, "compress_kg_co2eq", config.country_iso_code):
-            compressed = blockfold.compress(candidate, tokenizer, recipe, calibration=calibration)
+            compressed = blockfold.compress(handle.fresh_copy(), recipe=recipe, calibration=calibration,
+                                            execution=execution, cache=cache)
         manifest = compressed.manifest
         run.update({"removed_blocks": manifest.get("removed_blocks"), "replaced": manifest.get("replaced"),
                     "compress_seconds": manifest["compress_seconds"],
                     "selection": {k: manifest["selection"].get(k) for k in ("criterion", "start", "score")}})
-        if config.save_models:  # saved in the precision it was compressed in, before any conversion
-            from blockfold.surgery import save_compressed
-
+        if config.save_models:
             manifest["source_model"] = result["source_model"]
-            folder = save_compressed(candidate, tokenizer, stage / "models" / f"{method}-{budget}", manifest, recipe.to_yaml())
+            folder = compressed.save(stage / "models" / f"{method}-{budget}", save_dtype=execution.save_dtype)
             run["checkpoint"] = folder.relative_to(stage).as_posix()
-        candidate = in_eval_dtype(candidate, config.eval_dtype, copy_first=False)
+        candidate = in_eval_dtype(compressed.model, config.eval_dtype, copy_first=False)
         with emissions(run, "eval_kg_co2eq", config.country_iso_code):
             run.update(_measure_model(candidate, tokenizer, config, windows, task_cache))
         if config.tasks:
@@ -177,57 +180,79 @@ def _run_into(config: SweepConfig, stage: Path) -> dict:
         result["runs"].append(run)
         print(f"sweep: {method} {budget}: ppl {run.get('perplexity', float('nan')):.2f}"
               + (f", RP {run['relative_performance']['average']['rp']:.3f}" if config.tasks else ""), flush=True)
-        del candidate
+        del candidate, compressed
 
-    with contextlib.ExitStack() as stack:
-        if any(m in SPAN_METHODS for m in config.methods):
-            # ReplaceMe and UIDL at every budget share one calibration pass (identical results); its
-            # time and CO₂eq are recorded once, apart from the runs'
-            shared = {}
-            with emissions(shared, "kg_co2eq", config.country_iso_code):
-                pass_started = time.perf_counter()
-                stack.enter_context(shared_first_pass(model, calibration, config.budgets))
-                shared["seconds"] = time.perf_counter() - pass_started
-            result["shared_calibration_pass"] = shared
-        for method in config.methods:
-            for budget in config.budgets:
-                one_run(method, budget)
-        if config.placement_blocks:  # inside: a length among the budgets reuses the shared pass
-            result["placement"] = placement_study(model, calibration, config.placement_blocks, windows, config.eval_dtype)
+    if any(issubclass(SETTINGS[m], SpanSelection) for m in config.methods):
+        # ReplaceMe and UIDL at every budget share one calibration pass (identical results); its
+        # time and CO₂eq are recorded once, apart from the runs'
+        shared = {}
+        with emissions(shared, "kg_co2eq", config.country_iso_code):
+            pass_started = time.perf_counter()
+            _shared_span_pass(handle, calibration, config.budgets, execution, cache)
+            shared["seconds"] = time.perf_counter() - pass_started
+        result["shared_calibration_pass"] = shared
+    for method in config.methods:
+        for budget in config.budgets:
+            one_run(method, budget)
+    if config.placement_blocks:  # a length among the budgets reuses the shared pass
+        result["placement"] = placement_study(handle, calibration, config.placement_blocks, windows, config.eval_dtype,
+                                              execution, cache)
     if config.analysis:
         from blockfold.analyze import _analyze
 
         (stage / "analysis").mkdir()
-        _analyze(model, calibration, stage / "analysis", cka_tokens=1024, seed=config.calibration.seed)
+        _analyze(handle, calibration, stage / "analysis", cka_tokens=1024, seed=config.calibration.seed,
+                 execution=execution)
         result["analysis"] = "analysis/analysis.json"
     result["seconds"] = time.perf_counter() - started
     (stage / "sweep.json").write_text(json.dumps(result, indent=1))
     return result
 
 
-def placement_study(model, calibration, blocks: int, windows, eval_dtype: str = "float32") -> dict:
+def _span_job(handle, calibration, execution: Execution, cache):
+    from blockfold.methods import Job
+    from blockfold.pipelines import Runner
+    from blockfold.settings import ReplaceMe
+
+    return Job(handle, ReplaceMe(), calibration, Runner(handle, execution), cache)
+
+
+def _shared_span_pass(handle, calibration, lengths: list[int], execution: Execution, cache) -> None:
+    """Measure, once, everything any span method at any of ``lengths`` needs, into ``cache``."""
+    from blockfold.methods.replaceme import measure_spans
+
+    measure_spans(_span_job(handle, calibration, execution, cache), lengths, max(lengths), "fit_error_stream",
+                  all_criteria=True)
+
+
+def placement_study(handle, calibration, blocks: int, windows, eval_dtype: str = "float32",
+                    execution: Execution | None = None, cache=None) -> dict:
     """With ``blocks`` fixed: every admissible start, every criterion's score, and the perplexity of
     the model with that span replaced by its lstsq map (measured in ``eval_dtype``); Spearman ρ of
     each criterion with log ppl."""
     from blockfold.estimate import fit_span_map
-    from blockfold.methods.replaceme import _first_pass
+    from blockfold.methods.replaceme import measure_spans
     from blockfold.select import SPAN_CRITERIA, span_criteria
     from blockfold.surgery import fold_into_down_proj, remove_blocks
 
     if windows is None:
         raise BlockfoldError("the placement study measures perplexity: give a perplexity text")
-    adapter = get_adapter(model)
-    distances, tables, moments = _first_pass(model, adapter, calibration, [blocks], blocks, True, "placement pass")
-    scores = span_criteria(distances, tables, moments, lambda eq: fit_span_map(eq, "lstsq", warn=False)[0])
+    execution = execution or Execution()
+    measured = measure_spans(_span_job(handle, calibration, execution, cache), [blocks], blocks, "fit_error_stream",
+                             all_criteria=True)
+    scores = span_criteria(measured.distances, measured.tables, measured.moments,
+                           lambda eq: fit_span_map(eq, "lstsq", warn=False)[0])
     rows = []
-    for start, equations in sorted(tables[0].normal_equations.items()):
-        candidate = copy.deepcopy(model)
-        fold_into_down_proj(adapter.down_proj(adapter.layers(candidate)[start - 1]), fit_span_map(equations, "lstsq", warn=False)[0])
-        remove_blocks(candidate, adapter, list(range(start, start + blocks)))
-        candidate = in_eval_dtype(candidate, eval_dtype, copy_first=False)
-        ppl = perplexity(candidate, windows, description=f"placement {start}")["perplexity"]
+    for start, equations in sorted(measured.tables[0].normal_equations.items()):
+        candidate = handle.fresh_copy()
+        adapter = candidate.adapter
+        fold_into_down_proj(candidate, adapter.down_proj(candidate.layers()[start - 1]),
+                            fit_span_map(equations, "lstsq", warn=False)[0])
+        remove_blocks(candidate.model, adapter, list(range(start, start + blocks)))
+        measured_model = in_eval_dtype(candidate.model, eval_dtype, copy_first=False)
+        ppl = perplexity(measured_model, windows, description=f"placement {start}")["perplexity"]
         rows.append({"start": start, "perplexity": ppl, **{name: float(scores[name][start, blocks]) for name in SPAN_CRITERIA}})
-        del candidate
+        del candidate, measured_model
     log_ppl = [float(np.log(r["perplexity"])) for r in rows]
     summary = {}
     for name in SPAN_CRITERIA:

@@ -13,7 +13,7 @@ from typing import Callable, Literal
 import torch
 from tqdm.auto import tqdm
 
-from blockfold.recipe import CosineConfig
+from blockfold.settings import CosineConfig
 from blockfold.stats import SpanRows
 
 Contribution = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -39,7 +39,8 @@ def fit_numerically(
     contribution: Contribution = linear_contribution,
 ) -> tuple[torch.Tensor, dict]:
     """Minimise ``objective`` (plus ``config.l1_penalty``·Σ|T|/d) over the transform, from ``init``;
-    float32 on the sample's device. The losses reported exclude the penalty."""
+    float32 on ``init``'s device (the sample is moved there). The losses reported exclude the penalty."""
+    rows = rows.to(init.device)
     transform = init.float().contiguous().clone().requires_grad_(True)
     optimizer = torch.optim.LBFGS(
         [transform], lr=config.learning_rate, max_iter=config.steps, history_size=20,

@@ -15,8 +15,9 @@ CLOSED_FORM_ESTIMATORS = ("lstsq", "diagonal", "orthogonal", "lowrank", "identit
 
 def fit_span_map(
     equations: NormalEquations, estimator: str, ridge_alpha: float = 0.0, rank: int | None = None, warn: bool = True
-) -> tuple[torch.Tensor, dict]:
-    """The ``estimator``'s map from the normal equations (``cosine`` starts from, and here means, lstsq)."""
+) -> tuple[torch.Tensor | None, dict]:
+    """The ``estimator``'s map from the normal equations (``cosine`` starts from, and here means, lstsq);
+    ``identity`` (plain removal) has no map to fold and returns None."""
     if estimator in ("lstsq", "cosine"):
         return fit_lstsq(equations, ridge_alpha, warn)
     if estimator == "diagonal":
@@ -27,9 +28,8 @@ def fit_span_map(
         if rank is None:
             raise BlockfoldError("the lowrank estimator needs a rank: pass --rank R")
         return fit_lowrank(equations, rank, ridge_alpha)
-    if estimator == "identity":  # plain removal of the span, for comparison
-        identity = torch.eye(equations.xtx.shape[0], dtype=torch.float64)
+    if estimator == "identity":  # plain removal of the span, for comparison: nothing is folded
         error = equations.relative_error_identity()
-        return identity, {"estimator": "identity", "relative_fit_error": error, "relative_error_plain_removal": error,
-                          "tokens": equations.tokens}
+        return None, {"estimator": "identity", "relative_fit_error": error, "relative_error_plain_removal": error,
+                      "tokens": equations.tokens}
     raise BlockfoldError(f"unknown estimator {estimator!r}: use one of {', '.join(CLOSED_FORM_ESTIMATORS)} or cosine")

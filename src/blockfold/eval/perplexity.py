@@ -32,21 +32,83 @@ def tokenize_windows(text: str, tokenizer: PreTrainedTokenizerBase, seq_len: int
     return ids[: count * seq_len].view(count, seq_len)
 
 
+#: rows of logits computed at once: a full-vocabulary float32 row is vocab × 4 bytes (1 MiB for 262k tokens)
+LOGIT_ROWS = 1024
+
+
+def _summed_nll(model: PreTrainedModel, normed: torch.Tensor, targets: torch.Tensor) -> float:
+    """Summed cross-entropy of ``targets`` given final-normed hidden rows: the LM head (and the logit
+    soft-cap where the model has one) ``LOGIT_ROWS`` rows at a time, so the full-vocabulary logits of
+    a batch never exist at once."""
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    total = 0.0
+    for first in range(0, len(normed), LOGIT_ROWS):
+        logits = model.get_output_embeddings()(normed[first : first + LOGIT_ROWS])
+        logits = (cap * torch.tanh(logits / cap) if cap else logits).float()
+        total += float(torch.nn.functional.cross_entropy(logits, targets[first : first + LOGIT_ROWS], reduction="sum"))
+    return total
+
+
+def next_token_nll(model: PreTrainedModel, adapter, hidden: torch.Tensor, ids: torch.Tensor,
+                   mask: torch.Tensor | None = None, normed: bool = False) -> tuple[float, int]:
+    """Summed next-token negative log-likelihood of ``ids`` over real tokens, from the last block's
+    hidden states (``normed``: already through the final norm), and the number of tokens scored."""
+    keep = (mask[:, 1:] if mask is not None else torch.ones_like(ids[:, 1:])).bool().to(hidden.device)
+    rows = hidden[:, :-1][keep]
+    if not normed:
+        rows = getattr(adapter.decoder(model), adapter.final_norm_attr)(rows)
+    return _summed_nll(model, rows, ids[:, 1:].to(hidden.device)[keep]), int(keep.sum())
+
+
 @torch.no_grad()
-def perplexity(
-    model: PreTrainedModel, windows: torch.Tensor, batch_size: int = 4, description: str = "perplexity"
-) -> dict:
-    """exp of the mean next-token loss over all windows (each window scores seq_len - 1 tokens)."""
-    device = next(model.parameters()).device
+def perplexity(model, windows: torch.Tensor, batch_size: int = 4, description: str = "perplexity") -> dict:
+    """exp of the mean next-token loss over all windows (each window scores seq_len - 1 tokens).
+
+    ``model`` is a model or a ``ModelHandle``; a streamed handle runs layer by layer, ``batch_size``
+    windows per batch and 16 batches per chunk, so the whole model is never resident.
+    """
+    from blockfold.adapters import get_adapter
+    from blockfold.models.handle import ModelHandle
+
+    handle = model if isinstance(model, ModelHandle) else None
+    model = handle.model if handle is not None else model
+    adapter = get_adapter(model)
     total, count = 0.0, 0
-    for first in tqdm(range(0, len(windows), batch_size), desc=description, unit="batch"):
-        ids = windows[first : first + batch_size].to(device)
-        logits = model(input_ids=ids, use_cache=False).logits.float()
-        losses = torch.nn.functional.cross_entropy(
-            logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="sum"
-        )
-        total += float(losses)
-        count += ids[:, 1:].numel()
+    if handle is not None and not handle.resident:
+        total, count = _streamed_nll(handle, windows, batch_size, description)
+    else:
+        device = next(model.parameters()).device
+        for first in tqdm(range(0, len(windows), batch_size), desc=description, unit="batch"):
+            ids = windows[first : first + batch_size].to(device)
+            normed = adapter.decoder(model)(input_ids=ids, use_cache=False).last_hidden_state
+            nll, scored = next_token_nll(model, adapter, normed, ids, normed=True)
+            total += nll
+            count += scored
     mean_nll = total / count
     return {"perplexity": math.exp(mean_nll), "mean_nll": mean_nll, "windows": len(windows),
             "window_length": windows.shape[1], "scored_tokens": count}
+
+
+def _streamed_nll(handle, windows: torch.Tensor, batch_size: int, description: str) -> tuple[float, int]:
+    from blockfold.data import Batch
+    from blockfold.pipelines import LayerProgram
+    from blockfold.pipelines.buffers import ActivationStore
+
+    batches = [Batch(windows[i : i + batch_size], torch.ones_like(windows[i : i + batch_size]))
+               for i in range(0, len(windows), batch_size)]
+    total, count = 0.0, 0
+    last = handle.num_layers() - 1
+    for first in tqdm(range(0, len(batches), 16), desc=description, unit="chunk"):
+        chunk = batches[first : first + 16]
+        with ActivationStore("device", handle.device) as store:
+            program = LayerProgram(handle, chunk, store, last)
+            for index in range(last + 1):
+                with program.layer(index) as (_, run):
+                    for number in range(len(chunk)):
+                        program.set_hidden(number, run(program.hidden(number), number))
+            with handle.materialized(*handle.head_modules()):
+                for number, batch in enumerate(chunk):
+                    nll, scored = next_token_nll(handle.model, handle.adapter, program.hidden(number), batch.input_ids)
+                    total += nll
+                    count += scored
+    return total, count

@@ -1,16 +1,22 @@
-"""Named methods, each a short composition of statistics, selection, estimation and surgery."""
+"""Named methods, each a short composition of statistics, selection, estimation and surgery.
+
+A method is a function of a ``Job`` (model, its own typed settings from ``settings.py``, calibration
+data, a runner for passes) returning its manifest entries. The settings classes are registered in
+``settings.py``, which the recipe validates against without importing this package.
+"""
 
 from __future__ import annotations
 
 from typing import Callable
 
+from blockfold.methods.base import Job, PassCache
 from blockfold.methods.baselines import compress_drop_blocks, compress_uidl
 from blockfold.methods.nbl import compress_drop_attention, compress_nbl, compress_nbl_block
 from blockfold.methods.replaceme import compress_replaceme
 from blockfold.methods.sleb import compress_sleb
 
-#: method name → function(model, tokenizer, recipe, calibration) -> manifest entries
-METHODS: dict[str, Callable] = {
+#: method name → function(job) -> manifest entries
+METHODS: dict[str, Callable[[Job], dict]] = {
     "replaceme": compress_replaceme,
     "nbl": compress_nbl,
     "nbl-block": compress_nbl_block,
@@ -20,10 +26,4 @@ METHODS: dict[str, Callable] = {
     "sleb": compress_sleb,
 }
 
-#: methods whose budget is a number of attention sublayers (``--attn``) rather than blocks
-ATTENTION_METHODS = frozenset({"nbl", "drop-attn"})
-
-#: methods that remove contiguous spans and accept ``--spans k``
-SPAN_METHODS = frozenset({"replaceme", "uidl"})
-
-__all__ = ["ATTENTION_METHODS", "METHODS", "SPAN_METHODS"]
+__all__ = ["METHODS", "Job", "PassCache"]

@@ -8,35 +8,29 @@
 
 from __future__ import annotations
 
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+import dataclasses
 
-from blockfold.adapters import get_adapter
-from blockfold.data import CalibrationSet
+from blockfold.methods.base import Job
 from blockfold.methods.replaceme import compress_replaceme
-from blockfold.recipe import Recipe
-from blockfold.stats import SpanStatistics, stream_activations
+from blockfold.settings import ReplaceMe
+from blockfold.stats import SpanStatistics
 from blockfold.surgery import remove_blocks
 
 
-def compress_uidl(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, recipe: Recipe, calibration: CalibrationSet
-) -> dict:
-    update = {"estimator": "identity", "criterion": recipe.criterion or "angular_last"}
-    return compress_replaceme(model, tokenizer, recipe.model_copy(update=update), calibration)
+def compress_uidl(job: Job) -> dict:
+    """ReplaceMe's selection with the identity as the map: the span is removed, nothing is folded."""
+    settings = ReplaceMe(**job.settings.model_dump(), estimator="identity")
+    return compress_replaceme(dataclasses.replace(job, settings=settings))
 
 
-def compress_drop_blocks(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, recipe: Recipe, calibration: CalibrationSet
-) -> dict:
-    adapter = get_adapter(model)
-    num_layers = adapter.num_layers(model)
-    count = recipe.num_blocks_to_remove(num_layers)
-    statistics = SpanStatistics(num_layers, max_length=1)
-    stream_activations(model, adapter, calibration, [statistics])
-    cosine = statistics.finalize().cosine_all[:num_layers, 1]  # block i: cos(h[i], h[i+1])
-    distances = {block: float(1.0 - cosine[block]) for block in range(num_layers)}
+def compress_drop_blocks(job: Job) -> dict:
+    count = job.settings.num_blocks(job.num_layers)
+    statistics = SpanStatistics(job.num_layers, max_length=1)
+    job.run([statistics])
+    cosine = statistics.finalize().cosine_all[: job.num_layers, 1]  # block i: cos(h[i], h[i+1])
+    distances = {block: float(1.0 - cosine[block]) for block in range(job.num_layers)}
     blocks = sorted(sorted(distances, key=distances.get)[:count])
-    remove_blocks(model, adapter, blocks)
+    remove_blocks(job.model, job.adapter, blocks)
     return {
         "removed_blocks": blocks,
         "selection": {"criterion": "cosine_distance_per_block", "candidates": distances,

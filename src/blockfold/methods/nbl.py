@@ -9,23 +9,18 @@ next choice sees the already-linearized model (the NBL paper's greedy ablation):
 
 from __future__ import annotations
 
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
-
-from blockfold.adapters import DecoderAdapter, get_adapter
-from blockfold.data import CalibrationSet
 from blockfold.estimate import fit_lmmse
-from blockfold.recipe import Recipe
+from blockfold.methods.base import Job
+from blockfold.models.handle import ModelHandle
 from blockfold.select import LINEARITY_CRITERIA, lowest_scoring, score_layers
-from blockfold.stats import LinearStatistics, SublayerLinearity, stream_activations
+from blockfold.stats import LinearStatistics, SublayerLinearity
 from blockfold.surgery import linearized_entries, replace_sublayers
 
 
-def sublayer_statistics(
-    model: PreTrainedModel, adapter: DecoderAdapter, calibration: CalibrationSet, target: str
-) -> list[LinearStatistics]:
+def sublayer_statistics(job: Job, target: str) -> list[LinearStatistics]:
     """One calibration pass: every layer's moments of (input, contribution) of ``target``."""
-    observer = SublayerLinearity(adapter.num_layers(model), target)
-    stream_activations(model, adapter, calibration, [observer], description=f"{target} statistics")
+    observer = SublayerLinearity(job.num_layers, target)
+    job.run([observer], description=f"{target} statistics")
     return observer.finalize()
 
 
@@ -35,10 +30,10 @@ def all_scores(statistics: list[LinearStatistics]) -> dict[str, dict[int, float]
 
 
 def linearize(
-    model: PreTrainedModel, adapter: DecoderAdapter, statistics: list[LinearStatistics], layers: list[int],
-    target: str, ridge_alpha: float = 0.0,
+    handle: ModelHandle, statistics: list[LinearStatistics], layers: list[int], target: str, ridge_alpha: float = 0.0,
 ) -> dict[int, dict]:
     """Replace ``layers``' attention (or whole block, ``target="block"``) by their LMMSE maps; returns fit infos."""
+    adapter = handle.adapter
     maps, fits = {}, {}
     for layer in layers:
         weight, bias, info = fit_lmmse(statistics[layer], ridge_alpha)
@@ -46,31 +41,30 @@ def linearize(
         fits[layer] = info
     entries = [adapter.attention_replacement(layer, "linear") if target == "attention" else adapter.block_replacement(layer)
                for layer in layers]
-    replace_sublayers(model, adapter, entries, maps)
+    replace_sublayers(handle, entries, maps)
     return fits
 
 
-def drop_attention(model: PreTrainedModel, adapter: DecoderAdapter, layers: list[int]) -> None:
-    replace_sublayers(model, adapter, [adapter.attention_replacement(layer, "zero") for layer in layers])
+def drop_attention(handle: ModelHandle, layers: list[int]) -> None:
+    replace_sublayers(handle, [handle.adapter.attention_replacement(layer, "zero") for layer in layers])
 
 
-def _compress(model, recipe: Recipe, calibration: CalibrationSet, target: str, count: int, criterion: str,
-              replacement: str) -> dict:
+def _compress(job: Job, target: str, count: int, criterion: str, replacement: str) -> dict:
     """Choose ``count`` layers by ``criterion`` and give them their LMMSE map (``replacement="linear"``)
     or nothing (``"zero"``, attention only)."""
-    adapter = get_adapter(model)
-    already = {entry["layer"] for entry in linearized_entries(model)}
-    rounds = [count] if not recipe.greedy else [1] * count
+    settings = job.settings
+    already = {entry["layer"] for entry in linearized_entries(job.model)}
+    rounds = [count] if not settings.greedy else [1] * count
     chosen: dict[int, float] = {}  # layer → its score when it was chosen
     history, fits = [], {}
     for step_count in rounds:
-        statistics = sublayer_statistics(model, adapter, calibration, target)
+        statistics = sublayer_statistics(job, target)
         scores = all_scores(statistics)
         step = lowest_scoring(scores[criterion], step_count, already | set(chosen))
         if replacement == "linear":
-            fits.update(linearize(model, adapter, statistics, step, target, recipe.ridge_alpha))
+            fits.update(linearize(job.handle, statistics, step, target, settings.ridge_alpha))
         else:
-            drop_attention(model, adapter, step)
+            drop_attention(job.handle, step)
         chosen.update({layer: scores[criterion][layer] for layer in step})
         history.append({"chosen": step, "scores": scores})
     first_scores = history[0]["scores"]
@@ -79,34 +73,31 @@ def _compress(model, recipe: Recipe, calibration: CalibrationSet, target: str, c
         "replaced": {"target": target, "layers": sorted(chosen), "replacement": replacement},
         "selection": {
             "criterion": criterion,
-            "greedy": recipe.greedy,
+            "greedy": settings.greedy,
             "score": sum(chosen.values()) / len(chosen),
             "chosen_scores": chosen,
             "candidates": first_scores[criterion],
             "scores_per_criterion": first_scores,
-            **({"greedy_steps": history} if recipe.greedy else {}),
+            **({"greedy_steps": history} if settings.greedy else {}),
         },
         "fits": fits,
     }
 
 
-def compress_nbl(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, recipe: Recipe,
-                 calibration: CalibrationSet) -> dict:
-    count = recipe.num_attention_layers_to_replace(get_adapter(model).num_layers(model))
-    return _compress(model, recipe, calibration, "attention", count, recipe.linearity_criterion, "linear")
+def compress_nbl(job: Job) -> dict:
+    count = job.settings.num_attention_layers(job.num_layers)
+    return _compress(job, "attention", count, job.settings.linearity_criterion, "linear")
 
 
-def compress_nbl_block(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, recipe: Recipe,
-                       calibration: CalibrationSet) -> dict:
-    count = recipe.num_blocks_to_remove(get_adapter(model).num_layers(model))
-    return _compress(model, recipe, calibration, "block", count, recipe.linearity_criterion, "linear")
+def compress_nbl_block(job: Job) -> dict:
+    count = job.settings.num_blocks(job.num_layers)
+    return _compress(job, "block", count, job.settings.linearity_criterion, "linear")
 
 
-def compress_drop_attention(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, recipe: Recipe,
-                            calibration: CalibrationSet) -> dict:
+def compress_drop_attention(job: Job) -> dict:
     """DROP: the attention sublayers whose residual input and output are most alike (cosine), dropped."""
-    count = recipe.num_attention_layers_to_replace(get_adapter(model).num_layers(model))
-    return _compress(model, recipe, calibration, "attention", count, "cosine", "zero")
+    count = job.settings.num_attention_layers(job.num_layers)
+    return _compress(job, "attention", count, "cosine", "zero")
 
 
 __all__ = ["all_scores", "compress_drop_attention", "compress_nbl", "compress_nbl_block",

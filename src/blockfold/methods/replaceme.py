@@ -1,10 +1,17 @@
 """ReplaceMe: remove the span of blocks a linear map replaces best, fold the map into the block before.
 
-Composition: one streaming pass (span distances, stream moments and normal equations for every
-candidate start) → every selection criterion for every span → pick the span(s) → fit the map (closed
+Composition: one streaming pass (span distances, and the sums the criterion and the estimator need
+for every candidate start) → the criterion for every span → pick the span(s) → fit the map (closed
 form from the normal equations; the cosine objective and sandwich norms take a second, truncated
 pass for a token subsample) → fold into the down-projection of the block before the span → delete
 the span.
+
+Only what is asked for is accumulated: the normal equations of every candidate (two d×d float64
+matrices, four with the per-token weighted ones) when the criterion scores the fitted map, the
+stream moments only for CKA and CCA. When those sums would exceed the statistics budget, the
+candidates are screened first: one pass scores every start by the same criterion for the best
+per-channel (diagonal) map, from d-sized sums, and a second pass accumulates the full sums for the
+best K starts only, K as many as the budget holds. The manifest says which were screened.
 
 Several spans (``spans=k``) share the budget and are chosen together from the first pass; they are
 then replaced shallowest first, each later span's map refitted on the model as already compressed
@@ -14,25 +21,21 @@ after its own fix, with one pass per round.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from blockfold.adapters import DecoderAdapter, get_adapter
-from blockfold.data import CalibrationSet
 from blockfold.estimate import fit_lstsq, fit_numerically, fit_span_map, linear_contribution, span_loss
-from blockfold.recipe import Recipe
+from blockfold.methods.base import Job
 from blockfold.select import best_span, best_spans, by_start, span_criteria, split_budget
-from blockfold.stats import NormalEquations, SpanSample, SpanStatistics, SpanTable, stream_activations
+from blockfold.settings import ReplaceMe
+from blockfold.stats import NormalEquations, SpanSample, SpanStatistics, SpanTable
 from blockfold.stats.similarity import StreamMoments, StreamSimilarity
 from blockfold.surgery import fold_into_down_proj, fold_through_linearized_norm, remove_blocks
 
-#: span selection when the recipe names none: the fitted map's per-token error relative to the
-#: residual stream (measured best on SmolLM2-135M, BENCHMARKS.md "Which span?")
-DEFAULT_CRITERION = "fit_error_stream"
+#: criteria that score the fitted map, so every candidate needs its normal equations
+_FIT_CRITERIA = frozenset({"fit_error", "fit_error_stream"})
 #: criteria that need the stream moments (CKA, CCA) in the pass
 _MOMENT_CRITERIA = frozenset({"cka", "cca"})
 
@@ -47,25 +50,130 @@ class FittedMap:
     output_max_rms: float = 0.0
 
 
-def closed_form_map(recipe: Recipe, equations: NormalEquations, warn: bool = True) -> tuple[torch.Tensor, dict]:
+@dataclass
+class SpanMeasurement:
+    """What the first pass measured: distances of every span up to ``max_length``, the per-start sums
+    at each of ``lengths``, and the stream moments (CKA, CCA) when asked for."""
+
+    distances: SpanTable
+    tables: list[SpanTable]
+    moments: StreamMoments | None
+    lengths: list[int]
+    max_length: int
+    equations: str  # "full", "screened" or "none"
+    screening: dict = field(default_factory=dict)  # length → {start: the diagonal map's score}
+
+
+def closed_form_map(settings: ReplaceMe, equations: NormalEquations, warn: bool = True) -> tuple[torch.Tensor, dict]:
     """The recipe's estimator in closed form (lstsq for cosine, which starts from it)."""
-    return fit_span_map(equations, recipe.estimator, recipe.ridge_alpha, recipe.rank, warn)
+    return fit_span_map(equations, settings.estimator, settings.ridge_alpha, settings.rank, warn)
 
 
-def _fit_prenorm(model, adapter, recipe, calibration, start, length, equations: NormalEquations) -> FittedMap:
+def _scoring_map(settings: ReplaceMe):
+    """How each candidate is scored: with the map that would be folded (None for plain removal)."""
+    if settings.estimator == "identity":
+        return None
+    return lambda equations: closed_form_map(settings, equations, warn=False)[0]
+
+
+# -- the first pass ---------------------------------------------------------------------------
+def measure_spans(job: Job, lengths: list[int], max_length: int, criterion: str,
+                  all_criteria: bool = False) -> SpanMeasurement:
+    """The first pass for spans of ``lengths`` (or what a cached pass already measured).
+
+    ``all_criteria`` accumulates what every criterion needs (the sweep's shared pass, the placement
+    study); otherwise only what ``criterion`` and the estimator need, within the statistics budget.
+    """
+    lengths = sorted(set(lengths), reverse=True)
+    moments = all_criteria or criterion in _MOMENT_CRITERIA
+    need_all = all_criteria or criterion in _FIT_CRITERIA
+    if job.cache is not None:
+        fingerprint = job.handle.fingerprint()
+        cached = job.cache.find(fingerprint, job.calibration, lambda w: set(lengths) <= set(w["lengths"])
+                                and max_length <= w["max_length"] and (w["moments"] or not moments)
+                                and (w["equations"] == "full" or not need_all))
+        if cached is not None:
+            return SpanMeasurement(cached.distances, [t for t in cached.tables if t.fit_length in lengths],
+                                   cached.moments, lengths, cached.max_length, cached.equations, cached.screening)
+    measured = _measure(job, lengths, max_length, moments, need_all)
+    if job.cache is not None:
+        job.cache.add(fingerprint, job.calibration, {"lengths": lengths, "max_length": max_length, "moments": moments,
+                                                     "equations": measured.equations}, measured)
+    return measured
+
+
+def _measure(job: Job, lengths: list[int], max_length: int, moments: bool, need_all: bool) -> SpanMeasurement:
+    num_layers, d = job.num_layers, job.hidden_size
+    estimator = getattr(job.settings, "estimator", "identity")
+    weighted = need_all  # the per-token weighted sums serve fit_error_stream only
+    starts = {length: len(range(1, num_layers - length + 1)) for length in lengths}
+    full_bytes = sum(SpanStatistics.sums_bytes_for(count, d, "full", weighted) for count in starts.values())
+    moment_bytes = StreamSimilarity.sums_bytes_for(num_layers, len(lengths), d) if moments else 0
+    budget = job.runner.stats_budget() - moment_bytes
+    job.notes.update(stats_budget_bytes=job.runner.stats_budget(), full_sums_bytes=full_bytes + moment_bytes)
+    if estimator == "identity" and not need_all:
+        mode = "none"  # plain removal needs no map: scalars only
+    elif full_bytes <= budget:
+        mode = "full"
+    else:
+        mode = "screened" if need_all else "none"  # without a fit criterion the chosen span is refitted alone
+    first_mode = {"full": "full", "none": "none", "screened": "diagonal"}[mode]
+    fits = [SpanStatistics(num_layers, max_length=max_length if i == 0 else 0, fit_length=length,
+                           equations=first_mode, stream_weighted=weighted)
+            for i, length in enumerate(lengths)]
+    observers = [*fits, *([StreamSimilarity(num_layers, lengths)] if moments else [])]
+    job.run(observers, description="calibration pass" if mode != "screened" else "screening pass")
+    tables = [f.finalize() for f in fits]
+    measured = SpanMeasurement(tables[0], tables, observers[-1].finalize() if moments else None, lengths,
+                               max_length, mode)
+    if mode == "screened":
+        _screen(job, measured, budget)
+    return measured
+
+
+def _screen(job: Job, measured: SpanMeasurement, budget: int) -> None:
+    """Keep the best K starts of each length by the diagonal map's fit_error_stream, then one more
+    pass for their full sums; ``measured.tables`` then hold exact sums for those K only."""
+    per_start = SpanStatistics.sums_bytes_for(1, job.hidden_size, "full", True)
+    count = max(1, budget // (per_start * len(measured.lengths)))
+    kept: dict[int, list[int]] = {}
+    for table in measured.tables:
+        proxy = table.diagonal_fit_error_stream
+        measured.screening[table.fit_length] = proxy
+        kept[table.fit_length] = sorted(sorted(proxy, key=proxy.get)[:count])
+    fits = [SpanStatistics(job.num_layers, 0, length, starts=kept[length]) for length in measured.lengths]
+    job.run(fits, description=f"full sums for the best {count} candidates")
+    exact = {f.fit_length: f.finalize() for f in fits}
+    for table in measured.tables:
+        table.normal_equations = exact[table.fit_length].normal_equations
+        table.stream_weighted_equations = exact[table.fit_length].stream_weighted_equations
+    job.notes["screening"] = {"kept_per_length": count, "by": "the diagonal map's fit_error_stream",
+                              "kept": {str(k): v for k, v in kept.items()}}
+
+
+def refit_equations(job: Job, start: int, length: int) -> NormalEquations:
+    """Normal equations of one span on the model as it is now (a pass that stops after the span)."""
+    statistics = SpanStatistics(job.num_layers, 0, length, starts=[start], stream_weighted=False)
+    job.run([statistics], description=f"refit pass (span at {start})")
+    return statistics.finalize().normal_equations[start]
+
+
+# -- fitting and folding ----------------------------------------------------------------------
+def _fit_prenorm(job: Job, start: int, length: int, equations: NormalEquations) -> FittedMap:
     """Pre-norm blocks: T acts on the MLP contribution and folds into down_proj exactly."""
-    transform, info = closed_form_map(recipe, equations)
-    if recipe.estimator == "cosine":
-        sample = SpanSample(start, length, recipe.cosine.max_tokens, calibration.num_tokens, pre_norm=False,
-                            seed=recipe.calibration.seed)
-        stream_activations(model, adapter, calibration, [sample], description="sampling span rows")
-        transform, info["numerical_fit"] = fit_numerically(sample.rows(), transform, recipe.cosine, "cosine")
+    settings: ReplaceMe = job.settings
+    transform, info = closed_form_map(settings, equations)
+    if settings.estimator == "cosine":
+        sample = SpanSample(start, length, settings.cosine.max_tokens, job.calibration.num_tokens, pre_norm=False,
+                            seed=job.seed)
+        job.run([sample], description="sampling span rows")
+        transform, info["numerical_fit"] = fit_numerically(sample.rows(), transform, settings.cosine, "cosine")
         info["relative_fit_error"] = equations.relative_residual(transform)
         info["estimator"] = "cosine"
     return FittedMap(transform, info)
 
 
-def _fit_sandwich(model, adapter: DecoderAdapter, recipe, calibration, start, length, equations) -> FittedMap:
+def _fit_sandwich(job: Job, start: int, length: int, equations: NormalEquations) -> FittedMap:
     """Sandwich blocks: a post-MLP norm sits between down_proj and the residual (docs/gemma.md).
 
     Two exact-to-fold regimes are fitted and the one with the lower loss on the token sample kept:
@@ -73,162 +181,90 @@ def _fit_sandwich(model, adapter: DecoderAdapter, recipe, calibration, start, le
     makes the norm linear; ``through-norm`` folds B = diag(g) T diag(1/g) from the post-norm fit
     and refits B with the norm in the loop.
     """
-    if recipe.estimator == "identity":
-        error = equations.relative_error_identity()
-        return FittedMap(torch.eye(adapter.hidden_size(model), dtype=torch.float64),
-                         {"estimator": "identity", "relative_fit_error": error, "relative_error_plain_removal": error})
-    num_layers = adapter.num_layers(model)
-    sample = SpanSample(start, length, recipe.cosine.max_tokens, calibration.num_tokens, pre_norm=True,
-                        seed=recipe.calibration.seed)
-    z_statistics = SpanStatistics(num_layers, 0, length, starts=[start], inputs="down_out")
-    stream_activations(model, adapter, calibration, [sample, z_statistics], description="sampling span rows")
+    settings: ReplaceMe = job.settings
+    if settings.estimator == "identity":
+        return FittedMap(*closed_form_map(settings, equations))
+    sample = SpanSample(start, length, settings.cosine.max_tokens, job.calibration.num_tokens, pre_norm=True,
+                        seed=job.seed)
+    z_statistics = SpanStatistics(job.num_layers, 0, length, starts=[start], inputs="down_out", stream_weighted=False)
+    job.run([sample, z_statistics], description="sampling span rows")
     rows = sample.rows()
     z_equations = z_statistics.finalize().normal_equations[start]
-    objective = "cosine" if recipe.estimator == "cosine" else "mse"
+    objective = "cosine" if settings.estimator == "cosine" else "mse"
 
-    post_norm_transform, info = fit_lstsq(equations, recipe.ridge_alpha)
-    info = {"estimator": recipe.estimator, "post_norm_space_relative_error": info["relative_fit_error"],
+    post_norm_transform, info = fit_lstsq(equations, settings.ridge_alpha)
+    info = {"estimator": settings.estimator, "post_norm_space_relative_error": info["relative_fit_error"],
             "relative_error_plain_removal": info["relative_error_plain_removal"], "tokens": info["tokens"]}
 
-    linear, linear_info = closed_form_map(recipe, z_equations)
+    linear, linear_info = closed_form_map(settings, z_equations)
     if objective == "cosine":
-        linear, linear_info["numerical_fit"] = fit_numerically(rows, linear, recipe.cosine, objective)
+        linear, linear_info["numerical_fit"] = fit_numerically(rows, linear, settings.cosine, objective)
     linear_info["relative_fit_error"] = z_equations.relative_residual(linear)
 
-    norm = adapter.mlp_norm(adapter.layers(model)[start - 1])
-    scale = adapter.norm_scale(norm)
+    norm = job.handle.copy_of(job.adapter.mlp_norm(job.handle.layers()[start - 1]))
+    scale = job.adapter.norm_scale(norm).to(post_norm_transform.device)
     through_norm = lambda z, b: norm(z @ b)  # noqa: E731 - the MLP contribution with B folded before the norm
     through, through_info = fit_numerically(rows, scale[:, None] * post_norm_transform / scale[None, :],
-                                            recipe.cosine, objective, through_norm)
+                                            settings.cosine, objective, through_norm)
 
+    device_rows = rows.to(linear.device)
     with torch.no_grad():
-        losses = {"linearized-norm": float(span_loss(rows, linear.float(), linear_contribution, objective)),
+        losses = {"linearized-norm": float(span_loss(device_rows, linear.float(), linear_contribution, objective)),
                   "through-norm": through_info["loss_end"]}
-    regime = min(losses, key=losses.get) if recipe.sandwich_fold == "auto" else recipe.sandwich_fold
-    if recipe.estimator in ("diagonal", "orthogonal", "lowrank"):  # the constraint holds on T only there
+    regime = min(losses, key=losses.get) if settings.sandwich_fold == "auto" else settings.sandwich_fold
+    if settings.estimator in ("diagonal", "orthogonal", "lowrank"):  # the constraint holds on T only there
         regime = "linearized-norm"
     info.update({"regime": regime, "sample_loss_per_regime": losses, "objective": objective,
                  "linearized_norm": linear_info, "through_norm": through_info})
     if regime == "linearized-norm":
         info["relative_fit_error"] = linear_info["relative_fit_error"]
-        output_rms = float((rows.x.double() @ linear).pow(2).mean(-1).sqrt().max())
+        output_rms = float((device_rows.x.double() @ linear).pow(2).mean(-1).sqrt().max())
         return FittedMap(linear, info, regime, output_rms)
     with torch.no_grad():  # relative squared error on the sample, whatever the objective was
-        info["relative_fit_error"] = float(span_loss(rows, through.float(), through_norm, "mse"))
+        info["relative_fit_error"] = float(span_loss(rows.to(through.device), through.float(), through_norm, "mse"))
     return FittedMap(through, info, regime)
 
 
-def _fold(model, adapter: DecoderAdapter, block: int, fitted: FittedMap) -> None:
-    layer = adapter.layers(model)[block]
-    down_proj = adapter.down_proj(layer)
+def _fold(job: Job, block: int, fitted: FittedMap) -> None:
+    layer = job.handle.layers()[block]
+    down_proj = job.adapter.down_proj(layer)
     if fitted.regime == "linearized-norm":
-        norm = adapter.mlp_norm(layer)
         fitted.info["linearized_norm"]["down_proj_scale"] = fold_through_linearized_norm(
-            down_proj, norm, fitted.transform, fitted.output_max_rms, adapter.norm_eps(norm), adapter.set_norm_scale)
+            job.handle, down_proj, job.adapter.mlp_norm(layer), fitted.transform, fitted.output_max_rms)
     elif fitted.info.get("estimator") != "identity":
-        fold_into_down_proj(down_proj, fitted.transform)
+        fold_into_down_proj(job.handle, down_proj, fitted.transform)
 
 
-def _measure(model, adapter, calibration, lengths: list[int], max_length: int, moments: bool,
-             description: str = "calibration pass") -> tuple[SpanTable, list[SpanTable], StreamMoments | None]:
-    """One pass: distances of all spans up to ``max_length``, normal equations for every start at
-    each of ``lengths``, and (``moments``) the stream moments for CKA and CCA."""
-    num_layers = adapter.num_layers(model)
-    fits = [SpanStatistics(num_layers, max_length=max_length if i == 0 else 0, fit_length=length)
-            for i, length in enumerate(lengths)]
-    observers = [*fits, *([StreamSimilarity(num_layers, lengths)] if moments else [])]
-    stream_activations(model, adapter, calibration, observers, description=description)
-    tables = [f.finalize() for f in fits]
-    return tables[0], tables, observers[-1].finalize() if moments else None
-
-
-@dataclass
-class SharedMeasurement:
-    """One first pass for several compressions of the same weights (a sweep over budgets)."""
-
-    fingerprint: str
-    calibration_id: int
-    lengths: list[int]
-    max_length: int
-    measured: tuple
-
-
-_SHARED: contextvars.ContextVar[SharedMeasurement | None] = contextvars.ContextVar("replaceme_shared", default=None)
-
-
-@contextlib.contextmanager
-def shared_first_pass(model, calibration, lengths: list[int]):
-    """Within this block, ReplaceMe (and UIDL) compressions of copies of ``model`` calibrated on
-    ``calibration`` with span lengths among ``lengths`` reuse one pass instead of one each. A copy
-    whose weights differ (checked by fingerprint) gets its own pass as usual."""
-    from blockfold.models import model_fingerprint
-
-    adapter = get_adapter(model)
-    measured = _measure(model, adapter, calibration, sorted(set(lengths), reverse=True), max(lengths), True,
-                        description="shared calibration pass")
-    token = _SHARED.set(SharedMeasurement(model_fingerprint(model), id(calibration), sorted(set(lengths)),
-                                          max(lengths), measured))
-    try:
-        yield
-    finally:
-        _SHARED.reset(token)
-
-
-def _first_pass(model, adapter, calibration, lengths: list[int], max_length: int, moments: bool,
-                description: str = "calibration pass"):
-    """``_measure``, or what an enclosing ``shared_first_pass`` already measured for these weights."""
-    shared = _SHARED.get()
-    if shared is not None and shared.calibration_id == id(calibration) and set(lengths) <= set(shared.lengths) \
-            and max_length <= shared.max_length:
-        from blockfold.models import model_fingerprint
-
-        if model_fingerprint(model) == shared.fingerprint:
-            distances, tables, similarity = shared.measured
-            return distances, [t for t in tables if t.fit_length in lengths], similarity
-    return _measure(model, adapter, calibration, lengths, max_length, moments, description)
-
-
-def _refit_equations(model, adapter, calibration, start: int, length: int) -> NormalEquations:
-    """Normal equations of one span on the model as it is now (a pass that stops after the span)."""
-    statistics = SpanStatistics(adapter.num_layers(model), 0, length, starts=[start], stream_weighted=False)
-    stream_activations(model, adapter, calibration, [statistics], description=f"refit pass (span at {start})")
-    return statistics.finalize().normal_equations[start]
-
-
-def _replace_span(model, adapter, recipe, calibration, start: int, length: int, equations: NormalEquations) -> dict:
-    fit = _fit_prenorm if adapter.folds_exactly else _fit_sandwich
-    fitted = fit(model, adapter, recipe, calibration, start, length, equations)
-    _fold(model, adapter, start - 1, fitted)
-    remove_blocks(model, adapter, list(range(start, start + length)))
+def _replace_span(job: Job, start: int, length: int, equations: NormalEquations) -> dict:
+    fit = _fit_prenorm if job.adapter.folds_exactly else _fit_sandwich
+    fitted = fit(job, start, length, equations)
+    _fold(job, start - 1, fitted)
+    remove_blocks(job.model, job.adapter, list(range(start, start + length)))
     return fitted.info
 
 
-def compress_replaceme(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, recipe: Recipe, calibration: CalibrationSet
-) -> dict:
-    adapter = get_adapter(model)
-    num_layers = adapter.num_layers(model)
-    budget = recipe.num_blocks_to_remove(num_layers)
-    criterion = recipe.criterion or DEFAULT_CRITERION
-    if recipe.greedy:
-        return _compress_greedy(model, adapter, recipe, calibration, budget, criterion)
-    lengths = sorted(set(split_budget(budget, recipe.spans)), reverse=True)
-    distances, fit_tables, moments = _first_pass(model, adapter, calibration, lengths, budget, criterion in _MOMENT_CRITERIA
-                                              or recipe.spans == 1)
-    scores = span_criteria(distances, fit_tables, moments, lambda eq: closed_form_map(recipe, eq, warn=False)[0])
-    if recipe.spans == 1:
-        choices = [best_span(scores[criterion], budget, criterion, fixed_start=recipe.span_start)]
+# -- the method -------------------------------------------------------------------------------
+def compress_replaceme(job: Job) -> dict:
+    settings: ReplaceMe = job.settings
+    budget = settings.num_blocks(job.num_layers)
+    if settings.greedy:
+        return _compress_greedy(job, budget)
+    criterion = settings.criterion
+    lengths = sorted(set(split_budget(budget, settings.spans)), reverse=True)
+    measured = measure_spans(job, lengths, budget, criterion)
+    scores = span_criteria(measured.distances, measured.tables, measured.moments, _scoring_map(settings))
+    if settings.spans == 1:
+        choices = [best_span(scores[criterion], budget, criterion, fixed_start=settings.span_start)]
     else:
-        choices = best_spans(scores[criterion], split_budget(budget, recipe.spans), criterion)
-    first_pass = {table.fit_length: table.normal_equations for table in fit_tables}
+        choices = best_spans(scores[criterion], split_budget(budget, settings.spans), criterion)
+    first_pass = {table.fit_length: table.normal_equations for table in measured.tables}
     replaced, removed_so_far = [], 0
     for choice in choices:  # shallowest first: a later span's map is refitted on the compressed model
         start = choice.start - removed_so_far
-        if removed_so_far == 0 and choice.start in first_pass.get(choice.length, {}):
-            equations = first_pass[choice.length][choice.start]
-        else:
-            equations = _refit_equations(model, adapter, calibration, start, choice.length)
-        info = _replace_span(model, adapter, recipe, calibration, start, choice.length, equations)
+        equations = first_pass.get(choice.length, {}).get(choice.start) if removed_so_far == 0 else None
+        if equations is None or (equations.xtx is None and settings.estimator != "identity"):
+            equations = refit_equations(job, start, choice.length)
+        info = _replace_span(job, start, choice.length, equations)
         replaced.append({"blocks": choice.blocks, "folded_into_block": choice.start - 1, "score": choice.score,
                          "transform": info})
         removed_so_far += choice.length
@@ -237,12 +273,16 @@ def compress_replaceme(
         "start": choices[0].start,
         "length": choices[0].length,
         "score": sum(c.score for c in choices),
-        "candidates": by_start(scores[criterion], budget) if recipe.spans == 1 else choices[0].candidates,
+        "candidates": by_start(scores[criterion], budget) if settings.spans == 1 else choices[0].candidates,
         "scores_per_criterion": {name: values for name, values in
                                  ((name, by_start(table, budget)) for name, table in scores.items()) if values},
-        "span_distances": {name: _table(getattr(distances, name)) for name in ("angular_last", "angular_all", "cosine_all")},
+        "span_distances": {name: _table(getattr(measured.distances, name))
+                           for name in ("angular_last", "angular_all", "cosine_all")},
+        "statistics": {"sums": measured.equations, **job.notes},
     }
-    if recipe.spans > 1:
+    if measured.screening:
+        selection["screening_scores"] = {str(length): values for length, values in measured.screening.items()}
+    if settings.spans > 1:
         selection["scores_per_length"] = {str(length): {name: by_start(values, length) for name, values in scores.items()}
                                           for length in lengths}
     manifest = {"removed_blocks": sorted(b for c in choices for b in c.blocks), "spans": replaced, "selection": selection}
@@ -251,18 +291,21 @@ def compress_replaceme(
     return manifest
 
 
-def _compress_greedy(model, adapter, recipe: Recipe, calibration, budget: int, criterion: str) -> dict:
-    """Remove ``budget`` blocks one at a time; each round scores every block by ``criterion`` on the
+def _compress_greedy(job: Job, budget: int) -> dict:
+    """Remove ``budget`` blocks one at a time; each round scores every block by the criterion on the
     model as compressed so far, replaces the best with its fitted map, and folds it."""
-    original_index = list(range(adapter.num_layers(model)))
+    settings: ReplaceMe = job.settings
+    criterion = settings.criterion
+    original_index = list(range(job.num_layers))
     steps = []
     for round_number in range(budget):
-        distances, fit_tables, moments = _measure(model, adapter, calibration, [1], 1, criterion in _MOMENT_CRITERIA,
-                                                  description=f"greedy round {round_number + 1}/{budget}")
-        scores = span_criteria(distances, fit_tables, moments, lambda eq: closed_form_map(recipe, eq, warn=False)[0])
+        measured = _measure(job, [1], 1, criterion in _MOMENT_CRITERIA, criterion in _FIT_CRITERIA)
+        scores = span_criteria(measured.distances, measured.tables, measured.moments, _scoring_map(settings))
         choice = best_span(scores[criterion], 1, criterion)
-        info = _replace_span(model, adapter, recipe, calibration, choice.start, 1,
-                             fit_tables[0].normal_equations[choice.start])
+        equations = measured.tables[0].normal_equations.get(choice.start)
+        if equations is None or (equations.xtx is None and settings.estimator != "identity"):
+            equations = refit_equations(job, choice.start, 1)
+        info = _replace_span(job, choice.start, 1, equations)
         steps.append({"block": original_index[choice.start], "folded_into_block": original_index[choice.start - 1],
                       "score": choice.score, "transform": info,
                       "candidates": {original_index[s]: v for s, v in choice.candidates.items()}})
@@ -274,7 +317,7 @@ def _compress_greedy(model, adapter, recipe: Recipe, calibration, budget: int, c
                   for s in steps],
         "selection": {"criterion": criterion, "strategy": "greedy", "order": [s["block"] for s in steps],
                       "score": sum(s["score"] for s in steps), "candidates": steps[0]["candidates"],
-                      "greedy_steps": steps},
+                      "greedy_steps": steps, "statistics": dict(job.notes)},
     }
 
 
@@ -282,6 +325,9 @@ def _table(values) -> dict[str, dict[str, float]]:
     """``{length: {start: value}}`` for JSON, dropping spans that do not fit."""
     return {
         str(length): {str(start): float(values[start, length]) for start in range(values.shape[0])
-                      if values[start, length] == values[start, length]}
+                      if not math.isnan(values[start, length])}
         for length in range(1, values.shape[1])
     }
+
+
+__all__ = ["SpanMeasurement", "closed_form_map", "compress_replaceme", "measure_spans", "refit_equations"]

@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -21,6 +20,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from blockfold.errors import BlockfoldError
+from blockfold.models.checkpoint import CheckpointReader, has_safetensors
+from blockfold.models.handle import ModelHandle, WeightStore
 from blockfold.surgery.linearize import register_linearized_classes
 
 # blockfold reads its own linearized checkpoints with its copy of their modeling code (no remote code)
@@ -58,14 +59,6 @@ BUILTIN_MODELS: dict[str, Callable[[], Path]] = {
 }
 
 
-@dataclass
-class LoadedModel:
-    model: PreTrainedModel
-    tokenizer: PreTrainedTokenizerBase
-    spec: str
-    path: Path | None  # local folder the weights came from (after any conversion)
-
-
 def _file_sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as handle:
@@ -74,27 +67,18 @@ def _file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def strip_quantization_marker(model: PreTrainedModel) -> None:
-    """GGUF weights are dequantised on load but keep a marker that makes ``save_pretrained`` refuse."""
-    model.hf_quantizer = None
-    model.is_quantized = False
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-
-
 def _convert_gguf(gguf: Path) -> Path:
-    """Convert a GGUF file into a cached safetensors folder once; return the folder."""
+    """Convert a GGUF file into a cached float32 safetensors folder once, one tensor at a time (a
+    quantized model converts on a machine with less RAM than its float32 size); return the folder."""
+    from blockfold.models.gguf import convert_gguf
+
     target = cache_dir() / "converted" / f"{gguf.stem}-{_file_sha256(gguf)[:16]}"
     if (target / "config.json").is_file():
         return target
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    strip_quantization_marker(model)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
-        model.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
+        convert_gguf(gguf, staging, torch.float32)
         (staging / "blockfold_source.json").write_text(json.dumps({"gguf": str(gguf)}))
         os.replace(staging, target)
     finally:
@@ -121,26 +105,77 @@ def resolve_model_path(spec: str) -> Path | str:
     return spec  # a hub id such as "org/name"; works when a hub is reachable
 
 
+def read_config(location: Path | str):
+    """The model's config, from its folder (or hub id) alone."""
+    try:
+        return AutoConfig.from_pretrained(location)
+    except (OSError, ValueError) as err:
+        raise BlockfoldError(f"cannot read the config of {location} ({str(err).splitlines()[0]}): point --model at a "
+                             "save_pretrained folder, a .gguf file or a built-in name") from None
+
+
+def load_tokenizer(location: Path | str) -> PreTrainedTokenizerBase:
+    try:
+        return AutoTokenizer.from_pretrained(location)
+    except (OSError, ValueError) as err:
+        raise BlockfoldError(f"cannot load the tokenizer of {location} ({str(err).splitlines()[0]}): the folder "
+                             "needs the tokenizer files save_pretrained writes (tokenizer.json, tokenizer_config.json)") from None
+
+
+def skeleton(config, dtype: torch.dtype) -> PreTrainedModel:
+    """The model with every parameter a placeholder on the meta device (buffers such as rotary
+    tables are real: they are computed, not stored), in eval mode and without gradients."""
+    from accelerate import init_empty_weights
+
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
 def load_model(
-    spec: str, dtype: torch.dtype = torch.float32, device: str = "cpu", check: Callable[[object], None] | None = None
-) -> LoadedModel:
-    """Load model and tokenizer from any supported source, in ``dtype`` and eval mode.
+    spec: str,
+    dtype: torch.dtype | str = torch.float32,
+    device: str | torch.device = "cpu",
+    check: Callable[[object], None] | None = None,
+    pipeline: str = "whole",
+    with_tokenizer: bool = True,
+) -> ModelHandle:
+    """Model and tokenizer from any supported source, in eval mode: resident on ``device`` in
+    ``dtype`` (``pipeline="whole"``), or as a skeleton whose layers are read from the checkpoint
+    when a pipeline needs them (``"sequential"``). ``dtype`` and ``device`` may be ``"auto"``.
 
     ``check`` receives the config before any weights are read, so unsupported models fail fast.
     """
+    from blockfold.runtime import resolve_device, resolve_dtype
+
     location = resolve_model_path(spec)
+    config = read_config(location)
     if check is not None:
-        check(AutoConfig.from_pretrained(location))
+        check(config)
+    folder = Path(location) if isinstance(location, Path) else None
+    reader = CheckpointReader(folder) if folder is not None and has_safetensors(folder) else None
+    device = device if isinstance(device, torch.device) else resolve_device(device)
+    if isinstance(dtype, str):
+        dtype = resolve_dtype(dtype, device, reader.floating_dtype() if reader is not None else None)
+    tokenizer = load_tokenizer(location) if with_tokenizer else None
+    if pipeline == "sequential":
+        if reader is None:
+            raise BlockfoldError(f"{spec} has no safetensors weights to read layer by layer: use --pipeline whole "
+                                 "or re-save the model with save_pretrained")
+        model = skeleton(config, dtype)
+        return ModelHandle(model, tokenizer, device, dtype, WeightStore.of(model, reader), spec, folder)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(location)
-        model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype, device_map={"": device})
     except OSError as err:
         raise BlockfoldError(
             f"could not load model {spec!r} ({str(err).splitlines()[0]}): use a local folder, a .gguf file "
             f"or a built-in name ({', '.join(BUILTIN_MODELS)}); hub ids need a reachable hub"
         ) from None
-    model.to(device).eval()
-    return LoadedModel(model, tokenizer, spec, Path(location) if isinstance(location, Path) else None)
+    model.eval()
+    model.requires_grad_(False)
+    return ModelHandle(model, tokenizer, device, dtype, WeightStore.of(model, reader), spec, folder)
 
 
 def model_fingerprint(model: PreTrainedModel) -> str:
@@ -149,6 +184,6 @@ def model_fingerprint(model: PreTrainedModel) -> str:
     for name, tensor in sorted(model.state_dict().items()):
         digest.update(name.encode())
         flat = tensor.detach().reshape(-1)
-        digest.update(flat[:: max(1, flat.numel() // 4096)].float().numpy().tobytes())
+        digest.update(flat[:: max(1, flat.numel() // 4096)].float().cpu().numpy().tobytes())
         digest.update(f"{tuple(tensor.shape)} {tensor.dtype}".encode())
     return digest.hexdigest()[:16]

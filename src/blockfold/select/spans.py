@@ -48,11 +48,13 @@ def span_criteria(
     distances: SpanTable,
     fit_tables: list[SpanTable],
     moments: StreamMoments | None,
-    fit: Callable[[NormalEquations], torch.Tensor],
+    fit: Callable[[NormalEquations], torch.Tensor] | None,
 ) -> dict[str, np.ndarray]:
-    """Every criterion's ``[start, length]`` table. ``distances`` gives the angular and cosine ones,
-    each of ``fit_tables`` the fit errors at its ``fit_length``, ``moments`` CKA and CCA; ``fit``
-    maps a span's normal equations to the transform the estimator would fold."""
+    """Every criterion's ``[start, length]`` table (NaN where it was not measured). ``distances`` gives
+    the angular and cosine ones, each of ``fit_tables`` the fit errors at its ``fit_length``, ``moments``
+    CKA and CCA; ``fit`` maps a span's normal equations to the transform the estimator would fold
+    (None: plain removal, scored from the scalar sums alone). Candidates whose full sums were not
+    accumulated (screened out) have no fit error."""
     shape = distances.angular_all.shape
     scores = {
         "angular_last": distances.angular_last,
@@ -67,10 +69,17 @@ def span_criteria(
             scores["cca"][start, length] = 1.0 - mean_squared_canonical_correlation(pair)
     for table in fit_tables:
         for start, equations in table.normal_equations.items():
+            weighted = table.stream_weighted_equations.get(start)
+            if fit is None:  # plain removal: the identity's errors are scalar sums
+                scores["fit_error"][start, table.fit_length] = equations.relative_error_identity()
+                if weighted is not None:
+                    scores["fit_error_stream"][start, table.fit_length] = weighted.identity_error / max(weighted.tokens, 1)
+                continue
+            if equations.xtx is None:
+                continue
             transform = fit(equations)
             scores["fit_error"][start, table.fit_length] = equations.relative_residual(transform)
-            weighted = table.stream_weighted_equations.get(start)
-            if weighted is not None:
+            if weighted is not None and weighted.xtx is not None:
                 scores["fit_error_stream"][start, table.fit_length] = weighted.residual(transform) / max(weighted.tokens, 1)
     return scores
 

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from blockfold.errors import BlockfoldError
-from blockfold.stats.engine import LayerActivations
+from blockfold.stats.activations import LayerActivations
 from blockfold.stats.sums import add_sums
 
 TARGETS = ("attention", "block")
@@ -82,6 +82,19 @@ class SublayerLinearity:
         self.cosine_sum = [0.0] * num_layers
         self.energy_sum = [0.0] * num_layers
         self._sums: list[dict[str, torch.Tensor]] = [{} for _ in range(num_layers)]
+
+    # -- memory ---------------------------------------------------------------------------
+    @staticmethod
+    def sums_bytes_for(num_layers: int, hidden_size: int) -> int:
+        """Five d×d float64 matrices per layer (xx, yy, yx and the weighted xx, yx)."""
+        return num_layers * 5 * hidden_size * hidden_size * 8
+
+    def sums_bytes(self, hidden_size: int) -> int:
+        return self.sums_bytes_for(self.num_layers, hidden_size)
+
+    def window_bytes_per_token(self, hidden_size: int) -> int:
+        """Nothing is kept between layers; the float64 working copies of one layer's rows."""
+        return 6 * hidden_size * 8
 
     # -- streaming ------------------------------------------------------------------------
     def on_layer(self, acts: LayerActivations) -> None:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from blockfold.stats.engine import LayerActivations
+from blockfold.stats.activations import LayerActivations
 
 
 @dataclass
@@ -22,25 +22,45 @@ class SpanRows:
     attn_residual: torch.Tensor
     target: torch.Tensor
 
+    def to(self, device: torch.device) -> "SpanRows":
+        return SpanRows(self.x.to(device), self.attn_residual.to(device), self.target.to(device))
+
+
+class TokenSampler:
+    """Keeps each calibration token with probability ``max_tokens / total_tokens``, decided once per
+    token by its place in the calibration set: the same tokens are kept however a pipeline groups
+    the sequences (batches, or chunks run layer by layer), as long as it keeps their order."""
+
+    def __init__(self, max_tokens: int, total_tokens: int, seed: int = 0):
+        probability = min(1.0, max_tokens / max(total_tokens, 1))
+        self._decisions = torch.rand(total_tokens, generator=torch.Generator().manual_seed(seed)) < probability
+        self._seen = 0
+
+    def next(self, count: int, device: torch.device) -> torch.Tensor:
+        """Keep-mask of the next ``count`` tokens (tokens beyond the announced total are not kept)."""
+        mask = torch.zeros(count, dtype=torch.bool)
+        taken = self._decisions[self._seen : self._seen + count]
+        mask[: len(taken)] = taken
+        self._seen += count
+        return mask.to(device)
+
 
 class SpanSample:
-    """Observer: keeps each real token with probability ``max_tokens / total_tokens`` (at most ``max_tokens``)."""
+    """Observer: the rows of a random subset of tokens (at most ``max_tokens``) for one span's numerical fit."""
 
     def __init__(self, start: int, length: int, max_tokens: int, total_tokens: int, pre_norm: bool, seed: int = 0):
         self.start, self.length = start, length
         self.last_layer = start + length - 1
-        self.keep_probability = min(1.0, max_tokens / max(total_tokens, 1))
         self.max_tokens = max_tokens
         self.pre_norm = pre_norm
-        self.generator = torch.Generator().manual_seed(seed)
+        self.sampler = TokenSampler(max_tokens, total_tokens, seed)
         self._keep: torch.Tensor | None = None
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
         self._rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
     def on_layer(self, acts: LayerActivations) -> None:
         if acts.index == self.start - 1:
-            n = acts.block_out.shape[0]
-            self._keep = (torch.rand(n, generator=self.generator) < self.keep_probability).to(acts.block_out.device)
+            self._keep = self.sampler.next(acts.block_out.shape[0], acts.block_out.device)
             x = acts.down_out if self.pre_norm else acts.mlp_contribution
             self._pending = (x[self._keep].cpu(), acts.attn_residual[self._keep].cpu())
         elif acts.index == self.last_layer and self._pending is not None:
@@ -49,6 +69,12 @@ class SpanSample:
 
     def end_batch(self) -> None:
         self._keep, self._pending = None, None
+
+    def window_bytes_per_token(self, hidden_size: int) -> int:
+        return 0  # only sampled rows are kept, at most max_tokens of them
+
+    def sums_bytes(self, hidden_size: int) -> int:
+        return 3 * self.max_tokens * hidden_size * 4
 
     def rows(self) -> SpanRows:
         x, attn, target = (torch.cat(parts)[: self.max_tokens] for parts in zip(*self._rows))

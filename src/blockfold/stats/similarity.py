@@ -15,8 +15,9 @@ from dataclasses import dataclass
 import torch
 
 from blockfold.errors import BlockfoldError
-from blockfold.stats.engine import LayerActivations
+from blockfold.stats.activations import LayerActivations
 from blockfold.stats.linearity import LinearStatistics
+from blockfold.stats.sample import TokenSampler
 from blockfold.stats.sums import add_sum
 
 
@@ -54,6 +55,17 @@ class StreamSimilarity:
         self._cross: dict[tuple[int, int], torch.Tensor] = {}
         self._window: dict[int, torch.Tensor] = {}
 
+    @staticmethod
+    def sums_bytes_for(num_layers: int, lengths: int, hidden_size: int) -> int:
+        """(L + 1) Gram matrices and one cross matrix per start and length, d×d float64."""
+        return (num_layers + 1 + num_layers * lengths) * hidden_size * hidden_size * 8
+
+    def sums_bytes(self, hidden_size: int) -> int:
+        return self.sums_bytes_for(self.num_layers, len(self.lengths), hidden_size)
+
+    def window_bytes_per_token(self, hidden_size: int) -> int:
+        return (max(self.lengths, default=0) + 1) * hidden_size * 4 + 2 * hidden_size * 8
+
     def on_layer(self, acts: LayerActivations) -> None:
         if acts.index == 0:
             self.tokens += acts.block_in.shape[0]
@@ -66,8 +78,8 @@ class StreamSimilarity:
         add_sum(self._gram, k, h.T @ h)
         for length in self.lengths:
             if k - length in self._window:
-                add_sum(self._cross, (k - length, length), h.T @ self._window[k - length])
-        self._window[k] = h
+                add_sum(self._cross, (k - length, length), h.T @ self._window[k - length].double())
+        self._window[k] = hidden  # float32: the window is the observer's per-token memory
         self._window.pop(k - max(self.lengths, default=0), None)
 
     def end_batch(self) -> None:
@@ -102,15 +114,19 @@ class StreamSubsample:
         self.num_layers = num_layers
         self.last_layer = num_layers - 1
         self.max_tokens = max_tokens
-        self.keep_probability = min(1.0, max_tokens / max(total_tokens, 1))
-        self.generator = torch.Generator().manual_seed(seed)
+        self.sampler = TokenSampler(max_tokens, total_tokens, seed)
         self._keep: torch.Tensor | None = None
         self._rows: dict[int, list[torch.Tensor]] = {k: [] for k in range(num_layers + 1)}
 
+    def window_bytes_per_token(self, hidden_size: int) -> int:
+        return 0
+
+    def sums_bytes(self, hidden_size: int) -> int:
+        return (self.num_layers + 1) * self.max_tokens * hidden_size * 4
+
     def on_layer(self, acts: LayerActivations) -> None:
         if acts.index == 0:
-            count = acts.block_in.shape[0]
-            self._keep = (torch.rand(count, generator=self.generator) < self.keep_probability).to(acts.block_in.device)
+            self._keep = self.sampler.next(acts.block_in.shape[0], acts.block_in.device)
             self._rows[0].append(acts.block_in[self._keep].float().cpu())
         self._rows[acts.index + 1].append(acts.block_out[self._keep].float().cpu())
 

@@ -14,13 +14,13 @@ error itself and no second pass is needed for the closed-form estimator.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
 import torch
 
-from blockfold.stats.engine import LayerActivations
+from blockfold.stats.activations import LayerActivations
 from blockfold.stats.sums import add_sum, add_sums
 
 
@@ -28,8 +28,8 @@ from blockfold.stats.sums import add_sum, add_sums
 class NormalEquations:
     """Sums for ``min_T ‖X T − Y‖²``; ``tokens`` rows went into them."""
 
-    xtx: torch.Tensor  # (d, d) float64
-    xty: torch.Tensor  # (d, d) float64
+    xtx: torch.Tensor | None  # (d, d) float64; None where only the scalars were accumulated
+    xty: torch.Tensor | None  # (d, d) float64
     yty_trace: float
     identity_error: float  # ‖X − Y‖²: the error of T = I, i.e. plain removal of the span
     tokens: int
@@ -61,6 +61,8 @@ class SpanTable:
     stream_weighted_equations: dict[int, NormalEquations]
     fit_length: int
     tokens: int
+    # start → the diagonal map's fit_error_stream (screening passes only)
+    diagonal_fit_error_stream: dict[int, float] = field(default_factory=dict)
 
     def criterion(self, name: str) -> np.ndarray:
         return {"angular_all": self.angular_all, "angular_last": self.angular_last}[name]
@@ -72,8 +74,19 @@ def _unit_rows(hidden: torch.Tensor) -> torch.Tensor:
     return hidden / hidden.norm(dim=-1, keepdim=True).clamp(min=1e-30)
 
 
+#: what is accumulated for each candidate start: ``full`` normal equations (d×d), their ``diagonal``
+#: only (d numbers: enough to score a per-channel map, for screening), or ``none`` (the scalars
+#: ‖Y‖² and the plain-removal error only)
+EQUATIONS = ("full", "diagonal", "none")
+
+
 class SpanStatistics:
-    """Observer: distances of all spans up to ``max_length`` and normal equations at ``fit_length``."""
+    """Observer: distances of all spans up to ``max_length`` and sums per candidate start at ``fit_length``.
+
+    Within a group of sequences it keeps a window of recent layers (float32: the residual stream at
+    the last ``max(max_length, fit_length) + 1`` boundaries, the map's input for open candidates), so
+    its memory is ``window_bytes_per_token`` times the group's tokens plus ``sums_bytes``.
+    """
 
     def __init__(
         self,
@@ -84,16 +97,18 @@ class SpanStatistics:
         starts: list[int] | None = None,
         inputs: Literal["contribution", "down_out"] = "contribution",
         stream_weighted: bool = True,
+        equations: Literal["full", "diagonal", "none"] = "full",
     ):
-        """``starts`` restricts the normal equations to some spans; ``inputs="down_out"`` regresses on
+        """``starts`` restricts the per-start sums to some spans; ``inputs="down_out"`` regresses on
         the down-projection output before a post-MLP norm instead of the MLP contribution;
-        ``stream_weighted`` also accumulates the per-token weighted sums (two more (d, d) per start)."""
+        ``stream_weighted`` also accumulates the sums weighted per token by 1/‖h[start+length]‖²."""
         self.num_layers = num_layers
         self.max_length = max_length
         self.fit_length = fit_length
         self.min_start = min_start
         self.inputs = inputs
         self.stream_weighted = stream_weighted
+        self.equations = equations
         shape = (num_layers + 1, max_length + 1)
         self.angular_all = np.zeros(shape)
         self.angular_last = np.zeros(shape)
@@ -108,53 +123,84 @@ class SpanStatistics:
         self._yty = {i: 0.0 for i in self.fit_starts}
         self._identity_error = {i: 0.0 for i in self.fit_starts}
         self._weighted: dict[int, dict] = {}  # start → {"xtx", "xty", "yty", "identity"}
-        self._hidden: dict[int, torch.Tensor] = {}
-        self._x: dict[int, torch.Tensor] = {}
-        self._attn: dict[int, torch.Tensor] = {}
-        self._contribution: dict[int, torch.Tensor] = {}
+        self._hidden: dict[int, torch.Tensor] = {}  # boundary → residual stream (float32)
+        self._x: dict[int, torch.Tensor] = {}  # block before a candidate → the map's input (float32)
+        self._contribution: dict[int, torch.Tensor] = {}  # the same block's MLP contribution, when x differs
+
+    # -- memory ---------------------------------------------------------------------------
+    def window_bytes_per_token(self, hidden_size: int) -> int:
+        """Float32 bytes per token of the layers kept within a group (their float64 working copies included)."""
+        boundaries = max(self.max_length, self.fit_length or 0) + 1
+        open_inputs = min(self.fit_length or 0, len(self.fit_starts)) * (2 if self.inputs == "down_out" else 1)
+        return (boundaries + open_inputs) * hidden_size * 4 + 6 * hidden_size * 8
+
+    @staticmethod
+    def sums_bytes_for(starts: int, hidden_size: int, equations: str = "full", stream_weighted: bool = True) -> int:
+        """Bytes of the per-start sums: 2 (or 4 with the weighted ones) d×d float64 matrices per start for
+        ``full``, d-vectors for ``diagonal``, scalars for ``none``."""
+        per_matrix = {"full": hidden_size * hidden_size, "diagonal": hidden_size, "none": 0}[equations] * 8
+        return starts * per_matrix * (4 if stream_weighted else 2)
+
+    def sums_bytes(self, hidden_size: int) -> int:
+        return self.sums_bytes_for(len(self.fit_starts), hidden_size, self.equations, self.stream_weighted)
 
     # -- streaming ------------------------------------------------------------------------
     def on_layer(self, acts: LayerActivations) -> None:
         j = acts.index
         if j == 0:
-            self._hidden[0] = _unit_rows(acts.block_in)
+            self._hidden[0] = acts.block_in
             self.tokens += acts.block_in.shape[0]
             self.sequences += acts.last_token.numel()
         current = acts.block_out
-        self._hidden[j + 1] = unit = _unit_rows(current)
-        for length in range(1, self.max_length + 1):
-            start = j + 1 - length
-            if start >= 0:
-                self._add_distance(start, length, self._hidden[start], unit, acts.last_token)
+        self._hidden[j + 1] = current
+        if self.max_length:
+            unit = _unit_rows(current)
+            for length in range(1, self.max_length + 1):
+                start = j + 1 - length
+                if start >= 0:
+                    self._add_distance(start, length, _unit_rows(self._hidden[start]), unit, acts.last_token)
         if (j + 1) in self._yty:  # block j precedes a candidate span starting at j + 1
-            contribution = acts.mlp_contribution.double()
-            x = acts.down_out.double() if self.inputs == "down_out" else contribution
-            self._x[j], self._attn[j] = x, acts.block_out.double() - contribution  # residual after attention
-            self._contribution[j] = contribution
-            add_sum(self._xtx, j + 1, x.T @ x)
+            self._x[j] = acts.down_out if self.inputs == "down_out" else acts.mlp_contribution
+            if self.inputs == "down_out":
+                self._contribution[j] = acts.mlp_contribution
+            x = self._x[j].double()
+            if self.equations == "full":
+                add_sum(self._xtx, j + 1, x.T @ x)
+            elif self.equations == "diagonal":
+                add_sum(self._xtx, j + 1, (x * x).sum(0))
         start = j + 1 - (self.fit_length or 0)
         if self.fit_length and start in self._yty:
-            x, y = self._x.pop(start - 1), current.double() - self._attn.pop(start - 1)
-            contribution = self._contribution.pop(start - 1)
+            self._add_fit(start, current)
+        keep = max(self.max_length, self.fit_length or 0)
+        self._hidden.pop(j + 1 - keep, None)
+
+    def _add_fit(self, start: int, current: torch.Tensor) -> None:
+        """Block ``start + fit_length - 1`` just produced ``current = h[start + fit_length]``: add the
+        sums pairing it with the map's input from block ``start - 1``."""
+        x = self._x.pop(start - 1).double()
+        contribution = self._contribution.pop(start - 1).double() if self.inputs == "down_out" else x
+        attn = self._hidden[start].double() - contribution  # block start-1's residual after its attention
+        target = current.double()
+        y = target - attn
+        self._yty[start] += float((y * y).sum())
+        self._identity_error[start] += float(((contribution - y) ** 2).sum())
+        weight = 1.0 / target.pow(2).sum(-1, keepdim=True).clamp(min=1e-30) if self.stream_weighted else None
+        if self.equations == "full":
             add_sum(self._xty, start, x.T @ y)
-            self._yty[start] += float((y * y).sum())
-            self._identity_error[start] += float(((contribution - y) ** 2).sum())
-            if self.stream_weighted:
-                weight = 1.0 / current.double().pow(2).sum(-1, keepdim=True).clamp(min=1e-30)
-                wx = weight * x
-                add_sums(self._weighted.setdefault(start, {}), {
-                    "xtx": wx.T @ x, "xty": wx.T @ y, "yty": (weight * y * y).sum(),
-                    "identity": (weight * (contribution - y) ** 2).sum(),
-                })
-        if self.max_length:
-            self._hidden.pop(j + 1 - self.max_length, None)
-        else:
-            self._hidden.clear()
+        elif self.equations == "diagonal":
+            add_sum(self._xty, start, (x * y).sum(0))
+        if weight is not None:
+            wx = weight * x
+            sums = {"yty": (weight * y * y).sum(), "identity": (weight * (contribution - y) ** 2).sum()}
+            if self.equations == "full":
+                sums.update(xtx=wx.T @ x, xty=wx.T @ y)
+            elif self.equations == "diagonal":
+                sums.update(xtx=(wx * x).sum(0), xty=(wx * y).sum(0))
+            add_sums(self._weighted.setdefault(start, {}), sums)
 
     def end_batch(self) -> None:
         self._hidden.clear()
         self._x.clear()
-        self._attn.clear()
         self._contribution.clear()
 
     def _add_distance(self, start, length, before, after, last_token) -> None:
@@ -188,15 +234,19 @@ class SpanStatistics:
                 if start + length <= self.num_layers:
                     valid[start, length] = 1.0
         tokens, seqs = max(self.tokens, 1), max(self.sequences, 1)
+        full = self.equations == "full"
         equations = {
-            i: NormalEquations(self._xtx[i], self._xty[i], self._yty[i], self._identity_error[i], self.tokens)
-            for i in self.fit_starts
-            if i in self._xty
+            i: NormalEquations(self._xtx.get(i) if full else None, self._xty.get(i) if full else None,
+                               self._yty[i], self._identity_error[i], self.tokens)
+            for i in self.fit_starts if self.equations == "none" or i in self._xty
         }
         weighted = {
-            i: NormalEquations(w["xtx"], w["xty"], float(w["yty"]), float(w["identity"]), self.tokens)
+            i: NormalEquations(w.get("xtx") if full else None, w.get("xty") if full else None, float(w["yty"]),
+                               float(w["identity"]), self.tokens)
             for i, w in self._weighted.items()
         }
+        screening = {i: self._diagonal_stream_error(i) for i in self.fit_starts if i in self._xty} \
+            if self.equations == "diagonal" and self.stream_weighted else {}
         return SpanTable(
             angular_all=self.angular_all / tokens * valid,
             angular_last=self.angular_last / seqs * valid,
@@ -205,4 +255,13 @@ class SpanStatistics:
             stream_weighted_equations=weighted,
             fit_length=self.fit_length or 0,
             tokens=self.tokens,
+            diagonal_fit_error_stream=screening,
         )
+
+    def _diagonal_stream_error(self, start: int) -> float:
+        """``fit_error_stream`` of the best per-channel scale (the diagonal map, from the diagonals
+        alone): a cheap stand-in for the full map's, to screen candidates with."""
+        scale = self._xty[start] / self._xtx[start].clamp(min=1e-300)
+        weighted = self._weighted[start]
+        error = (scale * scale * weighted["xtx"]).sum() - 2 * (scale * weighted["xty"]).sum() + weighted["yty"]
+        return float(error) / max(self.tokens, 1)

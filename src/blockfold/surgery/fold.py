@@ -1,22 +1,19 @@
-"""Folding a linear map on a block's MLP output into its down-projection."""
+"""Folding a linear map on a block's MLP output into its down-projection, as recorded edits."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from blockfold.models.handle import ModelHandle
 
-@torch.no_grad()
-def fold_into_down_proj(down_proj: nn.Linear, transform: torch.Tensor) -> None:
-    """Make ``down_proj`` compute ``down_proj(a) @ T``: ``W ← Tᵀ W`` and ``b ← b T``, exactly.
 
-    The product is formed in float64 and cast back to the layer's own dtype.
-    """
-    t = transform.to(device=down_proj.weight.device, dtype=torch.float64)
-    weight = t.T @ down_proj.weight.double()
-    down_proj.weight.copy_(weight.to(down_proj.weight.dtype))
+def fold_into_down_proj(handle: ModelHandle, down_proj: nn.Linear, transform: torch.Tensor) -> None:
+    """Make ``down_proj`` compute ``down_proj(a) @ T``: ``W ← Tᵀ W`` and ``b ← b T``, exactly, in float64."""
+    t = transform.detach().double()
+    handle.transform(down_proj, "weight", lambda weight: t.to(weight.device).T @ weight)
     if down_proj.bias is not None:
-        down_proj.bias.copy_((down_proj.bias.double() @ t).to(down_proj.bias.dtype))
+        handle.transform(down_proj, "bias", lambda bias: bias @ t.to(bias.device))
 
 
 #: how far below the norm's epsilon the folded activations stay, in RMS: the linearisation's
@@ -24,10 +21,8 @@ def fold_into_down_proj(down_proj: nn.Linear, transform: torch.Tensor) -> None:
 LINEAR_NORM_HEADROOM = 1e3
 
 
-@torch.no_grad()
 def fold_through_linearized_norm(
-    down_proj: nn.Linear, norm: nn.Module, transform: torch.Tensor, output_max_rms: float,
-    eps: float, set_scale,
+    handle: ModelHandle, down_proj: nn.Linear, norm: nn.Module, transform: torch.Tensor, output_max_rms: float,
 ) -> float:
     """Make ``norm(down_proj(a))`` compute ``down_proj(a) @ T`` for an RMSNorm after ``down_proj``.
 
@@ -36,7 +31,10 @@ def fold_through_linearized_norm(
     and setting g = sqrt(ε)/c gives ``z T`` up to a relative error below 1/(2·headroom²); larger
     inputs are softly bounded by the norm instead of growing without limit. Returns c.
     """
+    adapter = handle.adapter
+    eps = adapter.norm_eps(norm)
     c = (eps**0.5) / (LINEAR_NORM_HEADROOM * max(output_max_rms, 1e-30))
-    fold_into_down_proj(down_proj, transform.double() * c)
-    set_scale(norm, (eps**0.5) / c)
+    fold_into_down_proj(handle, down_proj, transform.double() * c)
+    weight = (eps**0.5) / c - adapter.norm_weight_offset
+    handle.transform(norm, "weight", lambda current: torch.full_like(current, weight))
     return c

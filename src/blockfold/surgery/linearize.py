@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
-from blockfold.adapters import DecoderAdapter
 from blockfold.errors import BlockfoldError
+from blockfold.models.handle import ModelHandle
 from blockfold.surgery import modeling_blockfold as shipped
 
 LINEARIZED_FIELD = shipped.LINEARIZED_FIELD
@@ -30,31 +30,30 @@ def linearized_entries(model: PreTrainedModel) -> list[dict]:
 
 @torch.no_grad()
 def replace_sublayers(
-    model: PreTrainedModel,
-    adapter: DecoderAdapter,
+    handle: ModelHandle,
     entries: list[dict],
     maps: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> None:
-    """Apply replacement ``entries`` (from the adapter) in place; ``maps[layer] = (W, b)`` for linear ones.
-
-    The model's class and config class become the linearized ones, and the entries are recorded in
-    the config, where the shipped modeling code reads them back.
+    """Apply replacement ``entries`` (from the adapter) in place; ``maps[layer] = (W, b)`` for linear
+    ones, which the handle owns (they come from no checkpoint). The model's class and config class
+    become the linearized ones, and the entries are recorded in the config, where the shipped
+    modeling code reads them back.
     """
     maps = maps or {}
+    model, adapter = handle.model, handle.adapter
     base_type = model.config.model_type.removeprefix("blockfold_")
     if base_type not in shipped.LINEARIZED_CLASSES:
         raise BlockfoldError(f"no linearized form of {base_type!r} models: add one to surgery/modeling_blockfold.py")
     config_class, model_class = shipped.LINEARIZED_CLASSES[base_type]
     layers = adapter.layers(model)
-    reference = next(model.parameters())
     for entry in entries:
         layer = layers[entry["layer"]]
         shipped.linearize_layer(layer, entry, adapter.hidden_size(model))
         if entry["replacement"] == "linear":
             weight, bias = maps[entry["layer"]]
-            linear = getattr(layer, entry["module"]).linear.to(device=reference.device, dtype=reference.dtype)
-            linear.weight.copy_(weight)
-            linear.bias.copy_(bias)
+            linear = getattr(layer, entry["module"]).linear
+            handle.own(linear, "weight", weight)
+            handle.own(linear, "bias", bias)
     replaced = {entry["layer"] for entry in entries}
     kept = [entry for entry in linearized_entries(model) if entry["layer"] not in replaced]
     model.config.__class__ = config_class

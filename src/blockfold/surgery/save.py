@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -10,9 +11,15 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+import torch
+from tqdm.auto import tqdm
+from transformers import GenerationConfig
+from transformers.dynamic_module_utils import custom_object_save
+from transformers.utils import GENERATION_CONFIG_NAME
 
 from blockfold.errors import BlockfoldError
+from blockfold.models.checkpoint import DEFAULT_SHARD_BYTES, ShardWriter
+from blockfold.models.handle import ModelHandle
 
 MANIFEST_NAME = "blockfold_manifest.json"
 RECIPE_NAME = "blockfold_recipe.yaml"
@@ -49,18 +56,56 @@ def staged_folder(out: str | Path, overwrite: bool = False) -> Iterator[Path]:
         shutil.rmtree(staging, ignore_errors=True)
 
 
+def write_checkpoint(handle: ModelHandle, folder: Path, save_dtype: torch.dtype | None = None,
+                     max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> None:
+    """Write the model's weights, config and generation config into ``folder``, tensor by tensor:
+    each parameter is read from the source checkpoint (or the owned copy), its recorded edits are
+    applied in float64, and it is cast to ``save_dtype`` (default: the source's own dtype). The
+    whole model is never in memory; plain transformers loads the result."""
+    model = handle.model
+    save_dtype = save_dtype or handle.source_dtype()
+    writer = ShardWriter(folder, max_shard_bytes)
+    written: set[int] = set()  # tied parameters are one object: written once, under its first name
+    modules = list(model.named_modules())
+    for module_name, module in tqdm(modules, desc="writing checkpoint", unit="module", leave=False):
+        prefix = f"{module_name}." if module_name else ""
+        for attr, param in module._parameters.items():
+            if param is None or id(param) in written:
+                continue
+            written.add(id(param))
+            value = handle.saved_value(module, attr)
+            writer.add(prefix + attr, value.to(save_dtype) if value.is_floating_point() else value)
+        for attr, buffer in module._buffers.items():
+            if buffer is not None and attr not in module._non_persistent_buffers_set:
+                writer.add(prefix + attr, buffer)
+    writer.close()
+    config = copy.deepcopy(model.config)
+    config.dtype = str(save_dtype).removeprefix("torch.")
+    config.architectures = [type(model).__name__]
+    if model.is_remote_code():  # linearized checkpoints ship their modeling code
+        custom_object_save(model, folder, config=config)
+    config.save_pretrained(folder)
+    source_generation = handle.path / GENERATION_CONFIG_NAME if handle.path else None
+    if source_generation is not None and source_generation.is_file():
+        shutil.copyfile(source_generation, folder / GENERATION_CONFIG_NAME)
+    elif model.can_generate():
+        GenerationConfig.from_model_config(config).save_pretrained(folder)
+
+
 def save_compressed(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
+    handle: ModelHandle,
     out: str | Path,
     manifest: dict,
     recipe_yaml: str,
     overwrite: bool = False,
+    save_dtype: torch.dtype | None = None,
 ) -> Path:
-    """Save weights (safetensors), tokenizer, manifest and recipe; nothing half written is left."""
+    """Save weights (safetensors shards), tokenizer, manifest and recipe; nothing half written is left."""
     with staged_folder(out, overwrite) as staging:
-        model.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
+        write_checkpoint(handle, staging, save_dtype)
+        if handle.tokenizer is not None:
+            handle.tokenizer.save_pretrained(staging)
+        manifest["saved_dtype"] = str(save_dtype or handle.source_dtype()).removeprefix("torch.")
         (staging / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2, default=str))
         (staging / RECIPE_NAME).write_text(recipe_yaml)
     return Path(out).expanduser()

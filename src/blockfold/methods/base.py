@@ -1,0 +1,65 @@
+"""What every method is handed: the model, its own settings, the calibration data, a runner for
+passes (whose pipeline it never asks about) and, optionally, a cache of passes already measured."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from blockfold.adapters import DecoderAdapter
+from blockfold.data import CalibrationSet
+from blockfold.models.handle import ModelHandle
+from blockfold.pipelines import Runner
+from blockfold.settings import MethodSettings
+from blockfold.stats.activations import Observer
+
+
+class PassCache:
+    """Results of passes already run, for compressions of the same weights on the same calibration
+    set (a sweep over budgets): an entry is served to any later request it covers, and only to
+    weights with the same fingerprint."""
+
+    def __init__(self) -> None:
+        self._entries: list[tuple[str, int, dict, object]] = []
+
+    def find(self, fingerprint: str, calibration: CalibrationSet, covers: Callable[[dict], bool]):
+        for entry_fingerprint, calibration_id, what, value in self._entries:
+            if entry_fingerprint == fingerprint and calibration_id == id(calibration) and covers(what):
+                return value
+        return None
+
+    def add(self, fingerprint: str, calibration: CalibrationSet, what: dict, value) -> None:
+        self._entries.append((fingerprint, id(calibration), what, value))
+
+
+@dataclass
+class Job:
+    handle: ModelHandle
+    settings: MethodSettings
+    calibration: CalibrationSet
+    runner: Runner
+    cache: PassCache | None = None
+    seed: int = 0  # for token subsamples (the calibration config's seed)
+    #: what the method decided about memory (screening, budgets), for the manifest
+    notes: dict = field(default_factory=dict)
+
+    @property
+    def adapter(self) -> DecoderAdapter:
+        return self.handle.adapter
+
+    @property
+    def model(self) -> nn.Module:
+        return self.handle.model
+
+    @property
+    def num_layers(self) -> int:
+        return self.handle.num_layers()
+
+    @property
+    def hidden_size(self) -> int:
+        return self.adapter.hidden_size(self.model)
+
+    def run(self, observers: list[Observer], description: str = "calibration pass") -> None:
+        self.runner.run(self.calibration, observers, description)

@@ -1,0 +1,84 @@
+"""How the layers run: the whole model resident (batch after batch), or one layer at a time.
+
+Methods hand a ``Runner`` their observers and never ask which pipeline runs them; pipelines never
+know which method they serve (llm-compressor's separation of modifiers from pipelines). The runner
+picks the pipeline from the handle (a streamed model can only run layer by layer) and the execution
+settings, and sizes the chunks of the sequential pipeline from a memory budget.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from blockfold.data import Batch
+from blockfold.models.handle import ModelHandle
+from blockfold.pipelines.sequential import LayerProgram, chunks_of, run_sequential, sequences_for_budget
+from blockfold.pipelines.whole import run_whole
+from blockfold.runtime import Execution, free_memory
+from blockfold.stats.activations import Observer
+
+#: share of the free memory of the device that a chunk's activations and windows may take
+ACTIVATION_SHARE = {"cuda": 0.4}
+#: on a CPU the weights are cheap to re-read next to the compute, so chunks stay small
+CPU_ACTIVATION_BYTES = 512 << 20
+#: share of the free memory where the statistics live that their float64 sums may take by default
+STATS_SHARE = 0.25
+
+
+class Runner:
+    """Runs observer passes over ``handle`` with the pipeline its weights and ``execution`` call for."""
+
+    def __init__(self, handle: ModelHandle, execution: Execution | None = None):
+        self.handle = handle
+        self.execution = execution or Execution()
+        self.passes = 0
+
+    @property
+    def pipeline(self) -> str:
+        if not self.handle.resident or self.execution.pipeline == "sequential":
+            return "sequential"
+        return "whole"
+
+    def run(self, batches: Iterable[Batch], observers: list[Observer], description: str = "calibration pass") -> None:
+        batches = list(batches)
+        self.passes += 1
+        if self.pipeline == "whole":
+            run_whole(self.handle, batches, observers, description)
+            return
+        run_sequential(self.handle, batches, observers, self.store_kind(),
+                       self.sequences_per_chunk(batches, observers), self.execution.offload_dir, description)
+
+    def store_kind(self) -> str:
+        """Where activations wait between layers: the device unless offloading was asked for."""
+        return {"auto": "device", "none": "device", "cpu": "cpu", "disk": "disk"}[self.execution.offload]
+
+    def activation_bytes_per_token(self, observers: list[Observer]) -> int:
+        """Working memory per calibration token of one chunk: the hidden state kept between layers,
+        the captured sublayer outputs (float32, per batch and joined) and the observers' windows."""
+        d = self.handle.adapter.hidden_size(self.handle.model)
+        captured = 3 + 2 * any(getattr(o, "needs_attention", False) for o in observers) \
+            + (not self.handle.adapter.folds_exactly)
+        windows = sum(obs.window_bytes_per_token(d) for obs in observers if hasattr(obs, "window_bytes_per_token"))
+        return d * (self.handle.dtype.itemsize + 2 * 4 * captured) + windows
+
+    def sequences_per_chunk(self, batches: list[Batch], observers: list[Observer]) -> int:
+        if self.execution.chunk_sequences is not None:
+            return self.execution.chunk_sequences
+        device = self.handle.device
+        free = free_memory(device)
+        budget = int(free * ACTIVATION_SHARE[device.type]) if device.type in ACTIVATION_SHARE and free else CPU_ACTIVATION_BYTES
+        length = max(batch.input_ids.shape[1] for batch in batches)
+        total = sum(len(batch.input_ids) for batch in batches)
+        return sequences_for_budget(budget, self.activation_bytes_per_token(observers), length, total)
+
+    def stats_budget(self) -> int:
+        """Bytes the float64 sums may take: ``--stats-memory``, else a share of the free memory of the device."""
+        if self.execution.stats_memory is not None:
+            return self.execution.stats_memory
+        free = free_memory(self.handle.device) or free_memory(torch.device("cpu")) or (8 << 30)
+        return int(free * STATS_SHARE)
+
+
+__all__ = ["LayerProgram", "Runner", "chunks_of", "run_sequential", "run_whole"]

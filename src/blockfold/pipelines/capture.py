@@ -1,0 +1,52 @@
+"""Hooks at the points an adapter names, shared by every pipeline: what a decoder layer's sublayers
+add to the residual stream, for the real (non-padding) tokens, as float32 rows."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from blockfold.adapters import DecoderAdapter
+from blockfold.stats.activations import Observer
+
+
+def first(output):
+    """A module's main output (decoder layers and attention modules may return tuples)."""
+    return output[0] if isinstance(output, tuple) else output
+
+
+def needs_attention(observers: list[Observer]) -> bool:
+    return any(getattr(obs, "needs_attention", False) for obs in observers)
+
+
+class SublayerCapture:
+    """Forward hooks on one layer's sublayers that store their outputs, flattened to the real tokens
+    of ``mask``, into ``store`` under "mlp", "down", "attn_in" and "attn"."""
+
+    def __init__(self, layer: nn.Module, adapter: DecoderAdapter, attention: bool, store: dict):
+        self.store = store
+        points = [("mlp", adapter.mlp_contribution_module(layer))]
+        if attention:
+            points += [("attn_in", adapter.input_norm(layer)), ("attn", adapter.attention_contribution_module(layer))]
+        if not adapter.folds_exactly:
+            points.append(("down", adapter.down_proj(layer)))
+        self.handles = [module.register_forward_hook(self._hook(key)) for key, module in points]
+
+    def _hook(self, key: str):
+        def hook(module, args, output):
+            self.store[key] = flatten(first(output), self.store["mask"])
+        return hook
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def flatten(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The rows of real tokens, (tokens, d), in float32 (statistics convert to float64 themselves)."""
+    return hidden[mask].float()
+
+
+def last_token_rows(mask: torch.Tensor) -> torch.Tensor:
+    """Row index, in the flattened real tokens, of each sequence's last real token."""
+    return mask.sum(-1).cumsum(0) - 1

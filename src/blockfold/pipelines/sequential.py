@@ -1,0 +1,171 @@
+"""The sequential pipeline: one decoder layer at a time (the pattern of llm-compressor's sequential
+pipeline and of SparseGPT/Wanda), so the whole model is never resident.
+
+The calibration sequences are run in chunks. For a chunk, the decoder is called once per batch with
+every block replaced by a recorder, which keeps what the decoder hands each block (the hidden state,
+the attention masks, the rotary tables) and stops; only the modules outside the blocks are loaded
+for that. Then, layer by layer, the layer's weights are read from the checkpoint onto the device,
+every batch of the chunk runs through it, its activations go to the observers as one group, its
+outputs become the next layer's inputs (kept on the device, in CPU memory or on disk), and the
+layer is released. Weights are read once per chunk; activations and the observers' windows are
+bounded by the chunk.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from blockfold.data import Batch
+from blockfold.models.handle import ModelHandle
+from blockfold.pipelines.buffers import ActivationStore
+from blockfold.pipelines.capture import SublayerCapture, first, flatten, last_token_rows, needs_attention
+from blockfold.stats.activations import LayerActivations, Observer
+
+
+class _Recorded(Exception):
+    """Raised by the recorder of the deepest layer needed: the decoder has computed every input."""
+
+
+class _Recorder(nn.Module):
+    """Stands in for a block while the decoder prepares its inputs: records what the block is called
+    with and returns the hidden state unchanged. Attributes the decoder reads off its blocks
+    (``attention_type`` and the like) come from the real block."""
+
+    def __init__(self, index: int, block: nn.Module, sink: dict, last: bool):
+        super().__init__()
+        self.index, self.sink, self.last = index, sink, last
+        object.__setattr__(self, "_block", block)  # not a submodule: its placeholders stay untouched
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(object.__getattribute__(self, "_block"), name)
+
+    def forward(self, hidden_states, *args, **kwargs):
+        self.sink[self.index] = (hidden_states, args, kwargs)
+        if self.last:
+            raise _Recorded
+        return hidden_states
+
+
+class LayerProgram:
+    """The decoder of ``handle`` over ``batches``, run layer by layer: ``hidden(b)`` is batch ``b``'s
+    current hidden state, ``layer(i)`` loads block ``i`` and yields a function running it on a batch."""
+
+    def __init__(self, handle: ModelHandle, batches: list[Batch], store: ActivationStore, last_layer: int):
+        self.handle, self.batches, self.store = handle, batches, store
+        self.masks = [batch.attention_mask.to(handle.device).bool() for batch in batches]
+        self._inputs: list[dict[int, tuple[tuple, dict]]] = []
+        adapter, model = handle.adapter, handle.model
+        decoder, blocks = adapter.decoder(model), adapter.layers(model)
+        sink: dict = {}
+        setattr(decoder, adapter.layers_attr,
+                nn.ModuleList(_Recorder(i, block, sink, i == last_layer) for i, block in enumerate(blocks)))
+        try:
+            with handle.materialized(*handle.top_modules()), torch.no_grad():
+                for number, batch in enumerate(batches):
+                    sink.clear()
+                    device = handle.device
+                    try:
+                        decoder(input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device),
+                                position_ids=batch.position_ids.to(device), use_cache=False)
+                    except _Recorded:
+                        pass
+                    store.put(f"h{number}", sink[0][0])
+                    self._inputs.append({index: (args, kwargs) for index, (_, args, kwargs) in sink.items()})
+        finally:
+            setattr(decoder, adapter.layers_attr, blocks)
+
+    def hidden(self, number: int) -> torch.Tensor:
+        return self.store.get(f"h{number}")
+
+    def set_hidden(self, number: int, hidden: torch.Tensor) -> None:
+        self.store.put(f"h{number}", hidden)
+
+    @contextlib.contextmanager
+    def layer(self, index: int) -> Iterator:
+        """Block ``index`` loaded; yields ``(block, run)`` with ``run(hidden, batch_number) -> output``."""
+        block = self.handle.layers()[index]
+
+        def run(hidden: torch.Tensor, number: int) -> torch.Tensor:
+            args, kwargs = self._inputs[number][index]
+            return first(block(hidden, *args, **kwargs))
+
+        with self.handle.materialized(block), torch.no_grad():
+            yield block, run
+
+
+def chunks_of(batches: list[Batch], sequences_per_chunk: int | None) -> list[list[Batch]]:
+    """Batches regrouped into chunks of about ``sequences_per_chunk`` sequences (whole batches; a
+    batch larger than a chunk is split by rows). None: one batch per chunk."""
+    if sequences_per_chunk is None:
+        return [[batch] for batch in batches]
+    rows = [Batch(batch.input_ids[i : i + sequences_per_chunk], batch.attention_mask[i : i + sequences_per_chunk])
+            for batch in batches for i in range(0, len(batch.input_ids), sequences_per_chunk)]
+    grouped: list[list[Batch]] = [[]]
+    for part in rows:
+        if grouped[-1] and sum(len(b.input_ids) for b in grouped[-1]) + len(part.input_ids) > sequences_per_chunk:
+            grouped.append([])
+        grouped[-1].append(part)
+    return grouped
+
+
+def run_sequential(handle: ModelHandle, batches: list[Batch], observers: list[Observer], store_kind: str,
+                   sequences_per_chunk: int | None = None, offload_dir: str | None = None,
+                   description: str = "calibration pass") -> None:
+    """One pass of ``batches`` through layers 0..(deepest observed), layer by layer per chunk."""
+    last_layer = max(obs.last_layer for obs in observers)
+    attention = needs_attention(observers)
+    chunks = chunks_of(list(batches), sequences_per_chunk)
+    progress = tqdm(total=len(chunks) * (last_layer + 1), desc=description, unit="layer")
+    for chunk in chunks:
+        with ActivationStore(store_kind, handle.device, offload_dir) as store:
+            program = LayerProgram(handle, chunk, store, last_layer)
+            counts = [int(mask.sum()) for mask in program.masks]
+            offsets = [sum(counts[:number]) for number in range(len(chunk))]
+            last_token = torch.cat([last_token_rows(mask) + offset for mask, offset in zip(program.masks, offsets)])
+            block_in = torch.cat([flatten(program.hidden(n), mask) for n, mask in enumerate(program.masks)])
+            for index in range(last_layer + 1):
+                parts: dict[str, list[torch.Tensor]] = {}
+                with program.layer(index) as (block, run):
+                    captured: dict = {}
+                    capture = SublayerCapture(block, handle.adapter, attention, captured)
+                    try:
+                        for number, mask in enumerate(program.masks):
+                            captured["mask"] = mask
+                            output = run(program.hidden(number), number)
+                            if index < last_layer:
+                                program.set_hidden(number, output)
+                            parts.setdefault("out", []).append(flatten(output, mask))
+                            for key in ("mlp", "down", "attn_in", "attn"):
+                                if key in captured:
+                                    parts.setdefault(key, []).append(captured.pop(key))
+                    finally:
+                        capture.remove()
+                joined = {key: torch.cat(values) for key, values in parts.items()}
+                acts = LayerActivations(index=index, block_in=block_in, block_out=joined["out"],
+                                        mlp_contribution=joined["mlp"], down_out=joined.get("down"),
+                                        last_token=last_token, attn_input=joined.get("attn_in"),
+                                        attn_contribution=joined.get("attn"))
+                for obs in observers:
+                    if index <= obs.last_layer:
+                        obs.on_layer(acts)
+                block_in = joined["out"]
+                del acts, joined, parts
+                progress.update(1)
+            for obs in observers:
+                obs.end_batch()
+    progress.close()
+
+
+def sequences_for_budget(budget_bytes: int, bytes_per_token: int, sequence_length: int, total_sequences: int) -> int:
+    """The most whole sequences whose per-token working memory fits ``budget_bytes`` (at least one)."""
+    per_sequence = max(1, bytes_per_token * sequence_length)
+    return max(1, min(total_sequences, math.floor(budget_bytes / per_sequence)))

@@ -1,0 +1,71 @@
+"""The whole-model pipeline: the model resident on its device, one batch after the other through the
+decoder (no LM head), hooks handing each layer's activations to the observers as it finishes; the
+pass stops after the deepest layer any observer needs. The fast path when the model fits."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from tqdm.auto import tqdm
+
+from blockfold.data import Batch
+from blockfold.models.handle import ModelHandle
+from blockfold.pipelines.capture import SublayerCapture, first, flatten, last_token_rows, needs_attention
+from blockfold.stats.activations import LayerActivations, Observer
+
+
+class _StopForward(Exception):
+    """Raised from a hook once every observer has what it needs from this batch."""
+
+
+@torch.no_grad()
+def run_whole(handle: ModelHandle, batches: Iterable[Batch], observers: list[Observer],
+              description: str = "calibration pass") -> None:
+    model, adapter, device = handle.model, handle.adapter, handle.device
+    layers = adapter.layers(model)
+    last_layer = max(obs.last_layer for obs in observers)
+    attention = needs_attention(observers)
+    state: dict = {}
+
+    def capture_input(module, args, kwargs):
+        state["block_in"] = flatten(args[0] if args else kwargs["hidden_states"], state["mask"])
+
+    def finish_layer(index):
+        def hook(module, args, output):
+            block_out = flatten(first(output), state["mask"])
+            acts = LayerActivations(
+                index=index, block_in=state.pop("block_in"), block_out=block_out,
+                mlp_contribution=state.pop("mlp"), down_out=state.pop("down", None),
+                last_token=state["last_token"], attn_input=state.pop("attn_in", None),
+                attn_contribution=state.pop("attn", None),
+            )
+            for obs in observers:
+                if index <= obs.last_layer:
+                    obs.on_layer(acts)
+            state["block_in"] = block_out
+            if index == last_layer:
+                raise _StopForward
+        return hook
+
+    handles = [layers[0].register_forward_pre_hook(capture_input, with_kwargs=True)]
+    captures = [SublayerCapture(layer, adapter, attention, state) for layer in layers[: last_layer + 1]]
+    handles += [layer.register_forward_hook(finish_layer(index)) for index, layer in enumerate(layers[: last_layer + 1])]
+    try:
+        for batch in tqdm(list(batches), desc=description, unit="batch"):
+            mask = batch.attention_mask.to(device).bool()
+            state.clear()
+            state["mask"] = mask
+            state["last_token"] = last_token_rows(mask)
+            try:
+                adapter.decoder(model)(input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device),
+                                       position_ids=batch.position_ids.to(device), use_cache=False)
+            except _StopForward:
+                pass
+            for obs in observers:
+                obs.end_batch()
+    finally:
+        for handle_ in handles:
+            handle_.remove()
+        for capture in captures:
+            capture.remove()

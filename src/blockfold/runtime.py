@@ -1,0 +1,121 @@
+"""Where and in what precision a model runs: device, dtype, pipeline and offloading.
+
+These settings say how a job runs, not what it does, so they live beside the recipe rather than in
+it: the same recipe on a GPU in bfloat16 or on a CPU in float32 selects and fits from the same
+statistics (always float64), and the manifest records which one ran.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Literal
+
+import torch
+from pydantic import Field
+
+from blockfold.errors import BlockfoldError
+from blockfold.schema import Strict
+
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+
+
+class Execution(Strict):
+    """How a job runs. ``auto`` values are resolved against the machine and the model."""
+
+    device: str = "auto"  # auto | cpu | cuda | cuda:N (or any torch device string)
+    # precision of the weights while calibrating and evaluating; auto: float32 on a CPU, the
+    # checkpoint's own floating dtype on an accelerator
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # precision of the saved checkpoint; auto: the source checkpoint's own
+    save_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # whole: the model resident on the device, batches run through it one after the other;
+    # sequential: one decoder layer at a time, read from the checkpoint; auto: whole when it fits
+    pipeline: Literal["auto", "whole", "sequential"] = "auto"
+    # where the sequential pipeline keeps activations between layers
+    offload: Literal["auto", "none", "cpu", "disk"] = "auto"
+    offload_dir: str | None = None
+    # sequences per chunk of the sequential pipeline (weights are read once per chunk); None: as many
+    # as a memory budget allows (a share of a GPU's free memory, 512 MiB on a CPU)
+    chunk_sequences: int | None = Field(None, ge=1)
+    # bytes the statistics (float64 sums) may take; None: a quarter of the free memory where they live.
+    # Beyond it, span candidates are screened with cheap statistics first (one more pass)
+    stats_memory: int | None = Field(None, ge=1)
+
+
+def resolve_device(spec: str) -> torch.device:
+    """``auto`` → the first CUDA GPU when torch sees one, else the CPU; a device that is not there
+    is one clear error naming what is."""
+    if spec == "auto":
+        return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        device = torch.device(spec)
+    except RuntimeError:
+        raise BlockfoldError(f"--device {spec!r} is not a device: use auto, cpu, cuda or cuda:N") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            why = ("this torch is a CPU build" if torch.version.cuda is None
+                   else "torch sees no CUDA GPU (no driver, or CUDA_VISIBLE_DEVICES hides them)")
+            raise BlockfoldError(f"--device {spec}: {why}; use --device cpu (or auto, which picks a GPU when there is one)")
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise BlockfoldError(f"--device {spec}: this machine has {count} CUDA GPU(s), cuda:0..cuda:{count - 1}")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device, source: torch.dtype | None = None) -> torch.dtype:
+    """The weights' dtype for ``name``, checked by running a small matrix product in it on ``device``."""
+    if name == "auto":
+        dtype = torch.float32 if device.type == "cpu" or source is None or not source.is_floating_point else source
+        dtype = dtype if dtype in DTYPE_NAMES else torch.float32
+    else:
+        dtype = DTYPES[name]
+    check_dtype(dtype, device)
+    return dtype
+
+
+def check_dtype(dtype: torch.dtype, device: torch.device) -> None:
+    if device.type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+        raise BlockfoldError(f"--dtype bfloat16: {torch.cuda.get_device_name(device)} has no bfloat16 support; "
+                             "use --dtype float16 or float32")
+    try:
+        probe = torch.ones(4, 4, dtype=dtype, device=device)
+        (probe @ probe).sum().item()
+    except (RuntimeError, TypeError) as err:
+        raise BlockfoldError(f"--dtype {DTYPE_NAMES.get(dtype, dtype)} does not run on {device} "
+                             f"({str(err).splitlines()[0]}): use --dtype float32") from None
+
+
+def free_memory(device: torch.device) -> int | None:
+    """Bytes free on ``device`` now (available RAM for the CPU); None where torch cannot tell."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    if device.type == "cpu":
+        try:
+            for line in Path("/proc/meminfo").read_text().splitlines():
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+        except OSError:
+            return None
+    return None
+
+
+def check_offload_dir(path: str | None, needed_bytes: int = 0) -> Path:
+    """A folder to spill activations into: created inside ``path`` (or the system's temporary
+    folder), after checking it exists, is writable and has room for ``needed_bytes``."""
+    root = Path(path).expanduser() if path else Path(tempfile.gettempdir())
+    if not root.is_dir():
+        raise BlockfoldError(f"offload folder {root} does not exist: create it or pass another --offload-dir")
+    if not os.access(root, os.W_OK | os.X_OK):
+        raise BlockfoldError(f"offload folder {root} is not writable: pass a writable --offload-dir")
+    free = shutil.disk_usage(root).free
+    if needed_bytes and free < needed_bytes:
+        raise BlockfoldError(f"offload folder {root} has {free / 2**30:.1f} GiB free but the activations need "
+                             f"{needed_bytes / 2**30:.1f} GiB: free space, pass another --offload-dir or use fewer "
+                             "calibration tokens")
+    return root

@@ -1,0 +1,196 @@
+"""Each method's own typed settings, registered by method name.
+
+A setting lives on the methods that use it and nowhere else, so a value a method would ignore is a
+validation error instead of a silent no-op (``estimator`` on NBL, ``linearity_criterion`` on
+ReplaceMe). Defaults are resolved here, at construction, so a saved recipe holds the values that
+ran and replays the same run after a default changes. This module imports nothing of the methods'
+code: the recipe validates against it without pulling in the engine.
+
+In the Python API the classes are also the one verb's configuration (torchao-style):
+``blockfold.compress(model, blockfold.ReplaceMe(blocks=8))``.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+from pydantic import Field, model_validator
+
+from blockfold.errors import BlockfoldError
+from blockfold.schema import Strict
+
+SPAN_CRITERIA = ("angular_last", "angular_all", "block_influence", "cka", "cca", "fit_error", "fit_error_stream")
+SpanCriterion = Literal["angular_last", "angular_all", "block_influence", "cka", "cca", "fit_error", "fit_error_stream"]
+LinearityCriterion = Literal["cca", "nmse", "cosine", "stream"]
+
+
+class CosineConfig(Strict):
+    """Numerical fit of the transform under a cosine (or, for sandwich norms, MSE) objective."""
+
+    max_tokens: int = Field(16384, ge=64)
+    steps: int = Field(60, ge=1)
+    learning_rate: float = Field(1.0, gt=0)
+    # L1 penalty on the transform, λ·Σ|T_ij| / d, added to the objective (0: none)
+    l1_penalty: float = Field(0.0, ge=0)
+
+
+class MethodSettings(Strict):
+    """What one method needs besides the model and the calibration data."""
+
+    method: ClassVar[str]
+    #: flag names of the CLI for the fields, where they differ from ``--field-name``
+    flags: ClassVar[dict[str, str]] = {"attention_layers": "--attn", "cosine": "--cosine-*"}
+
+    @classmethod
+    def flag_names(cls) -> list[str]:
+        return [cls.flags.get(name, "--" + name.replace("_", "-")) for name in cls.model_fields]
+
+
+class BlockBudget(MethodSettings):
+    """A budget in decoder blocks: ``blocks``, or ``ratio`` of the model's blocks (default 8 blocks)."""
+
+    blocks: int | None = Field(None, ge=1)
+    ratio: float | None = Field(None, gt=0, lt=1)
+
+    @model_validator(mode="after")
+    def _one_budget(self):
+        if self.blocks is not None and self.ratio is not None:
+            raise ValueError("give either blocks (--blocks) or ratio (--ratio), not both")
+        if self.blocks is None and self.ratio is None:
+            self.blocks = 8
+        return self
+
+    def num_blocks(self, num_layers: int) -> int:
+        """How many blocks, validated against a model of ``num_layers`` blocks."""
+        n = self.blocks if self.blocks is not None else round(self.ratio * num_layers)
+        if n < 1 or n > num_layers - 2:
+            raise BlockfoldError(
+                f"cannot remove {n} of {num_layers} blocks: use --blocks between 1 and {num_layers - 2} "
+                "(the first block and at least one after the span are always kept)"
+            )
+        return n
+
+
+class AttentionBudget(MethodSettings):
+    """A budget in attention sublayers: ``attention_layers``, or ``ratio`` of the layers (default 8)."""
+
+    attention_layers: int | None = Field(None, ge=1)
+    ratio: float | None = Field(None, gt=0, lt=1)
+
+    @model_validator(mode="after")
+    def _one_budget(self):
+        if self.attention_layers is not None and self.ratio is not None:
+            raise ValueError("give either attention_layers (--attn) or ratio (--ratio), not both")
+        if self.attention_layers is None and self.ratio is None:
+            self.attention_layers = 8
+        return self
+
+    def num_attention_layers(self, num_layers: int) -> int:
+        k = self.attention_layers if self.attention_layers is not None else round(self.ratio * num_layers)
+        if k < 1 or k > num_layers:
+            raise BlockfoldError(f"cannot replace {k} of {num_layers} attention layers: use --attn between 1 and {num_layers}")
+        return k
+
+
+class SpanSelection(BlockBudget):
+    """Contiguous spans: several spans sharing the budget, or one at a fixed start."""
+
+    spans: int = Field(1, ge=1)
+    span_start: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _one_selection(self):
+        if self.spans > 1 and self.span_start is not None:
+            raise ValueError("spans (--spans) cannot be combined with span_start (--span-start): choose one selection")
+        return self
+
+    def num_blocks(self, num_layers: int) -> int:
+        n = super().num_blocks(num_layers)
+        if self.spans > n:
+            raise BlockfoldError(f"cannot split {n} blocks into {self.spans} spans: use --spans at most {n}")
+        return n
+
+
+class ReplaceMe(SpanSelection):
+    """Remove the span a linear map replaces best and fold the map into the block before it."""
+
+    method: ClassVar[str] = "replaceme"
+
+    # span selection (select/spans.py): the fitted map's per-token error relative to the residual
+    # stream, measured best on SmolLM2-135M (BENCHMARKS.md "Which span?")
+    criterion: SpanCriterion = "fit_error_stream"
+    # greedy: one block per round, wherever it is, the one whose removal after its own map loses least
+    greedy: bool = False
+    # the map (estimate/): closed form from the streamed normal equations, or cosine (numerical, from
+    # the lstsq start); identity = plain removal
+    estimator: Literal["lstsq", "diagonal", "orthogonal", "lowrank", "cosine", "identity"] = "lstsq"
+    rank: int | None = Field(None, ge=1)  # lowrank: rank of the correction to the identity (default 32)
+    ridge_alpha: float = Field(0.0, ge=0)
+    # blocks with a norm after the MLP (Gemma): which foldable form of the map (docs/gemma.md)
+    sandwich_fold: Literal["auto", "linearized-norm", "through-norm"] = "auto"
+    cosine: CosineConfig = Field(default_factory=CosineConfig)
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.estimator == "lowrank" and self.rank is None:
+            self.rank = 32
+        if self.rank is not None and self.estimator != "lowrank":
+            raise ValueError(f"rank (--rank) applies to the lowrank estimator only, not {self.estimator!r}")
+        if self.greedy and (self.spans > 1 or self.span_start is not None):
+            raise ValueError("greedy (--greedy) cannot be combined with spans or span_start: choose one selection")
+        if self.sandwich_fold == "through-norm" and self.estimator in ("diagonal", "orthogonal", "lowrank"):
+            raise ValueError(f"sandwich_fold through-norm refits an unconstrained map, so the {self.estimator} "
+                             "constraint would not hold: use --sandwich-fold linearized-norm or auto")
+        return self
+
+
+class UIDL(SpanSelection):
+    """The span of least angular distance (or ``criterion``), removed with no map (UIDL / ShortGPT)."""
+
+    method: ClassVar[str] = "uidl"
+    criterion: SpanCriterion = "angular_last"
+
+
+class NBL(AttentionBudget):
+    """Replace the most linear attention sublayers by their LMMSE maps (no KV cache for them)."""
+
+    method: ClassVar[str] = "nbl"
+    # cosine (DROP's ranking, then the LMMSE map instead of nothing) measured best on SmolLM2-135M at
+    # 4, 8 and 12 layers (BENCHMARKS.md); cca is the NBL paper's
+    linearity_criterion: LinearityCriterion = "cosine"
+    greedy: bool = False  # recompute the statistics after each replacement (k passes)
+    ridge_alpha: float = Field(0.0, ge=0)
+
+
+class NBLBlock(BlockBudget):
+    """Replace the most linear whole blocks by their LMMSE maps."""
+
+    method: ClassVar[str] = "nbl-block"
+    linearity_criterion: LinearityCriterion = "cosine"
+    greedy: bool = False
+    ridge_alpha: float = Field(0.0, ge=0)
+
+
+class DropAttention(AttentionBudget):
+    """DROP: the attention sublayers whose residual input and output are most alike, dropped."""
+
+    method: ClassVar[str] = "drop-attn"
+    greedy: bool = False
+
+
+class DropBlock(BlockBudget):
+    """DROP: the blocks whose output is most like their input, wherever they are, dropped."""
+
+    method: ClassVar[str] = "drop-block"
+
+
+class SLEB(BlockBudget):
+    """SLEB: remove blocks one at a time, each time the one whose removal raises calibration perplexity least."""
+
+    method: ClassVar[str] = "sleb"
+
+
+#: method name → its settings class
+SETTINGS: dict[str, type[MethodSettings]] = {
+    cls.method: cls for cls in (ReplaceMe, UIDL, NBL, NBLBlock, DropAttention, DropBlock, SLEB)
+}
