@@ -14,12 +14,13 @@ import subprocess
 import sys
 
 import pytest
-from conftest import handle_of, shared_file
+from conftest import handle_of, shared_file, stream
 
 import blockfold
 from blockfold.data import build_calibration
 from blockfold.eval.speed import kv_cache_bytes_per_layer
-from blockfold.methods.nbl import drop_attention, linearize, sublayer_statistics
+from blockfold.methods.nbl import drop_attention, linearize
+from blockfold.stats import SublayerLinearity
 from blockfold.select import lowest_scoring, score_layers
 from blockfold.eval import perplexity, read_eval_text, tokenize_windows
 from blockfold.recipe import CalibrationConfig, Recipe
@@ -133,16 +134,17 @@ def test_smollm2_nbl_beats_drop_attention_and_ships_its_modeling_code(smollm2, t
     """NBL on 4 of 30 attention layers against DROP's dropping of 4, from one calibration pass
     (the issue's 64 × 512 tokens: a 576×576 LMMSE map needs them), perplexity on 8 windows."""
     config, calibration, windows = _setup(smollm2, num_sequences=64, sequence_length=512, windows=8, max_documents=128)
-    adapter = get_adapter(smollm2.model)
-    statistics = sublayer_statistics(smollm2.model, adapter, calibration, "attention")
-    recipe = Recipe(method="nbl", attention_layers=4, calibration=config)
-    scores = {name: dict(enumerate(score_layers(statistics, name))) for name in ("cosine", recipe.linearity_criterion)}
+    observer = SublayerLinearity(30, "attention")
+    stream(smollm2.model, calibration, [observer])
+    statistics = observer.finalize()
+    criterion = Recipe(method="nbl", attention_layers=4, calibration=config).settings.linearity_criterion
+    scores = {name: dict(enumerate(score_layers(statistics, name))) for name in ("cosine", criterion)}
     nbl_model, drop_model = copy.deepcopy(smollm2.model), copy.deepcopy(smollm2.model)
-    nbl_layers = lowest_scoring(scores[recipe.linearity_criterion], 4)
-    linearize(nbl_model, adapter, statistics, nbl_layers, "attention")
-    drop_attention(drop_model, adapter, lowest_scoring(scores["cosine"], 4))
+    nbl_layers = lowest_scoring(scores[criterion], 4)
+    linearize(handle_of(nbl_model), statistics, nbl_layers, "attention")
+    drop_attention(handle_of(drop_model), lowest_scoring(scores["cosine"], 4))
     nbl, drop = (perplexity(m, windows)["perplexity"] for m in (nbl_model, drop_model))
-    assert nbl < drop, f"NBL ({recipe.linearity_criterion}) {nbl:.2f} vs DROP {drop:.2f} at 4 attention layers"
+    assert nbl < drop, f"NBL ({criterion}) {nbl:.2f} vs DROP {drop:.2f} at 4 attention layers"
     before, after = kv_cache_bytes_per_layer(smollm2.model, 64), kv_cache_bytes_per_layer(nbl_model, 64)
     assert sum(after) * 30 == sum(before) * 26
     manifest = {"method": "nbl", "replaced": {"layers": sorted(nbl_layers)}}

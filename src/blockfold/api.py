@@ -168,6 +168,7 @@ def compress(
         "recipe": recipe.model_dump(mode="json"),
         "execution": {"pipeline": runner.pipeline, "device": str(handle.device),
                       "dtype": DTYPE_NAMES.get(handle.dtype, str(handle.dtype)), "passes": runner.passes,
+                      "pass_seconds": runner.pass_seconds,
                       **({"sequences_per_chunk": execution.chunk_sequences} if execution.chunk_sequences else {}),
                       "offload": execution.offload},
         "compress_seconds": elapsed,

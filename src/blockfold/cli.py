@@ -132,8 +132,9 @@ def _add_compress(sub) -> None:
     p.add_argument("--ppl", nargs="?", const=str(DEFAULT_PPL_TEXT), help="also measure perplexity before/after on this text")
     p.add_argument("--ppl-seq-len", type=int, default=512)
     p.add_argument("--ppl-windows", type=int, default=None, help="first N windows only (default: whole text)")
-    p.add_argument("--dry-run", action="store_true",
-                   help="print the memory and time plan for this model and recipe (from config.json alone) and stop")
+    p.add_argument("--dry-run", nargs="?", const="", metavar="GPU_MEMORY",
+                   help="print the memory and time plan for this model (a folder or a config.json) and recipe, and "
+                        "stop; with a size (e.g. 80GiB), plan for an accelerator with that much memory")
     _add_execution(p, save=True)
 
 
@@ -281,6 +282,14 @@ def _check_calibration_source(source: str | None, flag: str = "--calib") -> None
             raise BlockfoldError(f"calibration file {name} not found: pass an existing file to {flag}")
 
 
+def _check_offload(execution) -> None:
+    """An offload folder that is missing or read-only fails before any model is loaded."""
+    if execution.offload == "disk":
+        from blockfold.runtime import check_offload_dir
+
+        check_offload_dir(execution.offload_dir)
+
+
 def cmd_compress(args) -> int:
     from blockfold import compress, open_model
     from blockfold.adapters import get_adapter
@@ -290,13 +299,18 @@ def cmd_compress(args) -> int:
 
     recipe = _recipe_from_args(args)
     execution = _execution_from_args(args)
-    if args.dry_run:
+    if args.dry_run is not None:
         from blockfold.plan import plan_for
 
-        print(plan_for(args.model, recipe, execution).render())
+        try:
+            memory = _byte_size(args.dry_run) if args.dry_run else None
+        except argparse.ArgumentTypeError as err:
+            raise BlockfoldError(f"--dry-run {err}") from None
+        print(plan_for(args.model, recipe, execution, memory).render())
         return 0
     check_output_folder(args.out, args.overwrite)
     _check_calibration_source(recipe.calibration.source)
+    _check_offload(execution)
     ppl_text = read_eval_text(args.ppl) if args.ppl else None
     started = time.perf_counter()
     handle = open_model(args.model, execution, check=get_adapter)
@@ -496,6 +510,7 @@ def cmd_analyze(args) -> int:
     execution = _execution_from_args(args)
     check_output_folder(args.out, args.overwrite)
     _check_calibration_source(config.source)
+    _check_offload(execution)
     handle = open_model(args.model, execution, check=get_adapter)
     if not handle.resident and config.source in (None, "self"):
         raise BlockfoldError("self-generated calibration needs the whole model resident: give --calib FILE")

@@ -65,6 +65,8 @@ def resolve_device(spec: str) -> torch.device:
             raise BlockfoldError(f"--device {spec}: this machine has {count} CUDA GPU(s), cuda:0..cuda:{count - 1}")
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
+    elif device.type != "cpu" and device.index is None:
+        device = torch.device(device.type, 0)  # tensors report an index: keep comparisons exact
     return device
 
 
@@ -115,7 +117,7 @@ def check_offload_dir(path: str | None, needed_bytes: int = 0) -> Path:
         raise BlockfoldError(f"offload folder {root} is not writable: pass a writable --offload-dir")
     free = shutil.disk_usage(root).free
     if needed_bytes and free < needed_bytes:
-        raise BlockfoldError(f"offload folder {root} has {free / 2**30:.1f} GiB free but the activations need "
-                             f"{needed_bytes / 2**30:.1f} GiB: free space, pass another --offload-dir or use fewer "
-                             "calibration tokens")
+        raise BlockfoldError(f"offload folder {root} has {free / 2**20:,.0f} MiB free but the activations need "
+                             f"{needed_bytes / 2**20:,.1f} MiB: free space, pass another --offload-dir, or use "
+                             "--offload cpu or fewer calibration tokens")
     return root

@@ -54,6 +54,6 @@ def fit_lowrank(equations: NormalEquations, rank: int, alpha: float = 0.0) -> tu
     fitted_gram = correction.T @ xtx @ correction  # (X M_ls)ᵀ (X M_ls)
     _, vectors = torch.linalg.eigh((fitted_gram + fitted_gram.T) / 2)
     leading = vectors[:, -rank:]
-    transform = torch.eye(d, dtype=torch.float64) + correction @ leading @ leading.T
+    transform = torch.eye(d, dtype=torch.float64, device=xtx.device) + correction @ leading @ leading.T
     return transform, _info(equations, "lowrank", transform, rank=rank, ridge_alpha=used_alpha,
                             parameters_fitted=2 * d * rank)

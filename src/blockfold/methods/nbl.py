@@ -17,11 +17,48 @@ from blockfold.stats import LinearStatistics, SublayerLinearity
 from blockfold.surgery import linearized_entries, replace_sublayers
 
 
-def sublayer_statistics(job: Job, target: str) -> list[LinearStatistics]:
-    """One calibration pass: every layer's moments of (input, contribution) of ``target``."""
-    observer = SublayerLinearity(job.num_layers, target)
-    job.run([observer], description=f"{target} statistics")
-    return observer.finalize()
+def measure_layers(job: Job, target: str, criterion: str) -> tuple[dict[str, dict[int, float]], dict[int, LinearStatistics]]:
+    """Every layer's score under ``criterion`` (under every criterion when the moments of all layers
+    fit the statistics budget: one pass) and the statistics kept for fitting.
+
+    Beyond the budget (five d×d float64 matrices per layer: 200 GiB for Llama-3.1-70B), the cosine
+    ranking needs scalars only (one pass); the others score the layers in groups that fit, one
+    pass per group, and keep nothing: the chosen layers' moments are gathered again for their fit.
+    """
+    num_layers = job.num_layers
+    per_layer = SublayerLinearity.sums_bytes_for(1, job.hidden_size)
+    budget = job.runner.stats_budget()
+    if per_layer * num_layers <= budget:
+        observer = SublayerLinearity(num_layers, target)
+        job.run([observer], description=f"{target} statistics")
+        statistics = observer.finalize()
+        return all_scores(statistics), dict(enumerate(statistics))
+    group = max(1, budget // per_layer)
+    job.notes.update(stats_budget_bytes=budget, full_sums_bytes=per_layer * num_layers, layers_per_pass=group)
+    if criterion == "cosine":
+        observer = SublayerLinearity(num_layers, target, moments=False)
+        job.run([observer], description=f"{target} cosines")
+        return {"cosine": {index: 1.0 - value for index, value in observer.mean_cosines().items()}}, {}
+    scores: dict[str, dict[int, float]] = {name: {} for name in LINEARITY_CRITERIA}
+    for first in range(0, num_layers, group):
+        observer = SublayerLinearity(num_layers, target, layers=list(range(first, min(num_layers, first + group))))
+        job.run([observer], description=f"{target} statistics, layers {first}-{observer.last_layer}")
+        for index, statistics in observer.measured().items():
+            for name, score in LINEARITY_CRITERIA.items():
+                scores[name][index] = score(statistics)
+    return scores, {}
+
+
+def statistics_of(job: Job, target: str, layers: list[int], kept: dict[int, LinearStatistics]) -> dict[int, LinearStatistics]:
+    """The moments of ``layers``: those already ``kept``, the others from passes over groups that fit the budget."""
+    missing = [layer for layer in layers if layer not in kept]
+    group = max(1, job.runner.stats_budget() // SublayerLinearity.sums_bytes_for(1, job.hidden_size))
+    found = {layer: kept[layer] for layer in layers if layer in kept}
+    for first in range(0, len(missing), group):
+        observer = SublayerLinearity(job.num_layers, target, layers=missing[first : first + group])
+        job.run([observer], description=f"{target} statistics of the chosen layers")
+        found.update(observer.measured())
+    return found
 
 
 def all_scores(statistics: list[LinearStatistics]) -> dict[str, dict[int, float]]:
@@ -30,7 +67,8 @@ def all_scores(statistics: list[LinearStatistics]) -> dict[str, dict[int, float]
 
 
 def linearize(
-    handle: ModelHandle, statistics: list[LinearStatistics], layers: list[int], target: str, ridge_alpha: float = 0.0,
+    handle: ModelHandle, statistics: dict[int, LinearStatistics] | list[LinearStatistics], layers: list[int], target: str,
+    ridge_alpha: float = 0.0,
 ) -> dict[int, dict]:
     """Replace ``layers``' attention (or whole block, ``target="block"``) by their LMMSE maps; returns fit infos."""
     adapter = handle.adapter
@@ -58,10 +96,10 @@ def _compress(job: Job, target: str, count: int, criterion: str, replacement: st
     chosen: dict[int, float] = {}  # layer → its score when it was chosen
     history, fits = [], {}
     for step_count in rounds:
-        statistics = sublayer_statistics(job, target)
-        scores = all_scores(statistics)
+        scores, kept = measure_layers(job, target, criterion)
         step = lowest_scoring(scores[criterion], step_count, already | set(chosen))
         if replacement == "linear":
+            statistics = statistics_of(job, target, step, kept)
             fits.update(linearize(job.handle, statistics, step, target, settings.ridge_alpha))
         else:
             drop_attention(job.handle, step)
@@ -78,6 +116,7 @@ def _compress(job: Job, target: str, count: int, criterion: str, replacement: st
             "chosen_scores": chosen,
             "candidates": first_scores[criterion],
             "scores_per_criterion": first_scores,
+            **({"statistics": dict(job.notes)} if job.notes else {}),
             **({"greedy_steps": history} if settings.greedy else {}),
         },
         "fits": fits,
@@ -101,4 +140,4 @@ def compress_drop_attention(job: Job) -> dict:
 
 
 __all__ = ["all_scores", "compress_drop_attention", "compress_nbl", "compress_nbl_block",
-           "drop_attention", "linearize", "sublayer_statistics"]
+           "drop_attention", "linearize", "measure_layers", "statistics_of"]

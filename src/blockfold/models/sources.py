@@ -129,6 +129,7 @@ def skeleton(config, dtype: torch.dtype) -> PreTrainedModel:
 
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.tie_weights()  # from_config leaves tied placeholders apart; the checkpoint stores them once
     model.eval()
     model.requires_grad_(False)
     return model

@@ -8,6 +8,7 @@ settings, and sizes the chunks of the sequential pipeline from a memory budget.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 
 import torch
@@ -19,8 +20,8 @@ from blockfold.pipelines.whole import run_whole
 from blockfold.runtime import Execution, free_memory
 from blockfold.stats.activations import Observer
 
-#: share of the free memory of the device that a chunk's activations and windows may take
-ACTIVATION_SHARE = {"cuda": 0.4}
+#: share of a GPU's free memory (after the statistics) that a chunk's activations and windows may take
+ACTIVATION_SHARE = {"cuda": 0.7}
 #: on a CPU the weights are cheap to re-read next to the compute, so chunks stay small
 CPU_ACTIVATION_BYTES = 512 << 20
 #: share of the free memory where the statistics live that their float64 sums may take by default
@@ -34,6 +35,7 @@ class Runner:
         self.handle = handle
         self.execution = execution or Execution()
         self.passes = 0
+        self.pass_seconds = 0.0  # time spent in passes, so the rest of a job (selection, fits) can be told apart
 
     @property
     def pipeline(self) -> str:
@@ -44,11 +46,13 @@ class Runner:
     def run(self, batches: Iterable[Batch], observers: list[Observer], description: str = "calibration pass") -> None:
         batches = list(batches)
         self.passes += 1
+        started = time.perf_counter()
         if self.pipeline == "whole":
             run_whole(self.handle, batches, observers, description)
-            return
-        run_sequential(self.handle, batches, observers, self.store_kind(),
-                       self.sequences_per_chunk(batches, observers), self.execution.offload_dir, description)
+        else:
+            run_sequential(self.handle, batches, observers, self.store_kind(),
+                           self.sequences_per_chunk(batches, observers), self.execution.offload_dir, description)
+        self.pass_seconds += time.perf_counter() - started
 
     def store_kind(self) -> str:
         """Where activations wait between layers: the device unless offloading was asked for."""
@@ -57,18 +61,23 @@ class Runner:
     def activation_bytes_per_token(self, observers: list[Observer]) -> int:
         """Working memory per calibration token of one chunk: the hidden state kept between layers,
         the captured sublayer outputs (float32, per batch and joined) and the observers' windows."""
-        d = self.handle.adapter.hidden_size(self.handle.model)
+        d, element = self.handle.adapter.hidden_size(self.handle.model), self.handle.dtype.itemsize
         captured = 3 + 2 * any(getattr(o, "needs_attention", False) for o in observers) \
             + (not self.handle.adapter.folds_exactly)
-        windows = sum(obs.window_bytes_per_token(d) for obs in observers if hasattr(obs, "window_bytes_per_token"))
-        return d * (self.handle.dtype.itemsize + 2 * 4 * captured) + windows
+        windows = sum(obs.window_bytes_per_token(d, element) for obs in observers if hasattr(obs, "window_bytes_per_token"))
+        return d * element * (1 + 2 * captured) + windows
 
     def sequences_per_chunk(self, batches: list[Batch], observers: list[Observer]) -> int:
         if self.execution.chunk_sequences is not None:
             return self.execution.chunk_sequences
         device = self.handle.device
         free = free_memory(device)
-        budget = int(free * ACTIVATION_SHARE[device.type]) if device.type in ACTIVATION_SHARE and free else CPU_ACTIVATION_BYTES
+        if device.type in ACTIVATION_SHARE and free:
+            d = self.handle.adapter.hidden_size(self.handle.model)
+            sums = sum(obs.sums_bytes(d) for obs in observers if hasattr(obs, "sums_bytes"))
+            budget = int((free - sums - self.handle.weight_bytes()["per_layer"]) * ACTIVATION_SHARE[device.type])
+        else:
+            budget = CPU_ACTIVATION_BYTES
         length = max(batch.input_ids.shape[1] for batch in batches)
         total = sum(len(batch.input_ids) for batch in batches)
         return sequences_for_budget(budget, self.activation_bytes_per_token(observers), length, total)

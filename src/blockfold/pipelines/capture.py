@@ -1,5 +1,5 @@
 """Hooks at the points an adapter names, shared by every pipeline: what a decoder layer's sublayers
-add to the residual stream, for the real (non-padding) tokens, as float32 rows."""
+add to the residual stream, for the real (non-padding) tokens, as rows."""
 
 from __future__ import annotations
 
@@ -43,8 +43,9 @@ class SublayerCapture:
 
 
 def flatten(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """The rows of real tokens, (tokens, d), in float32 (statistics convert to float64 themselves)."""
-    return hidden[mask].float()
+    """The rows of real tokens, (tokens, d), in the model's own dtype: observers convert to float64
+    where they accumulate, and keep their windows of recent layers at the activations' size."""
+    return hidden[mask]
 
 
 def last_token_rows(mask: torch.Tensor) -> torch.Tensor:

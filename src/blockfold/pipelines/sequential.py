@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 from blockfold.data import Batch
 from blockfold.models.handle import ModelHandle
 from blockfold.pipelines.buffers import ActivationStore
+from blockfold.runtime import check_offload_dir
 from blockfold.pipelines.capture import SublayerCapture, first, flatten, last_token_rows, needs_attention
 from blockfold.stats.activations import LayerActivations, Observer
 
@@ -124,45 +125,57 @@ def run_sequential(handle: ModelHandle, batches: list[Batch], observers: list[Ob
     last_layer = max(obs.last_layer for obs in observers)
     attention = needs_attention(observers)
     chunks = chunks_of(list(batches), sequences_per_chunk)
-    progress = tqdm(total=len(chunks) * (last_layer + 1), desc=description, unit="layer")
-    for chunk in chunks:
-        with ActivationStore(store_kind, handle.device, offload_dir) as store:
-            program = LayerProgram(handle, chunk, store, last_layer)
-            counts = [int(mask.sum()) for mask in program.masks]
-            offsets = [sum(counts[:number]) for number in range(len(chunk))]
-            last_token = torch.cat([last_token_rows(mask) + offset for mask, offset in zip(program.masks, offsets)])
-            block_in = torch.cat([flatten(program.hidden(n), mask) for n, mask in enumerate(program.masks)])
-            for index in range(last_layer + 1):
-                parts: dict[str, list[torch.Tensor]] = {}
-                with program.layer(index) as (block, run):
-                    captured: dict = {}
-                    capture = SublayerCapture(block, handle.adapter, attention, captured)
-                    try:
-                        for number, mask in enumerate(program.masks):
-                            captured["mask"] = mask
-                            output = run(program.hidden(number), number)
-                            if index < last_layer:
-                                program.set_hidden(number, output)
-                            parts.setdefault("out", []).append(flatten(output, mask))
-                            for key in ("mlp", "down", "attn_in", "attn"):
-                                if key in captured:
-                                    parts.setdefault(key, []).append(captured.pop(key))
-                    finally:
-                        capture.remove()
-                joined = {key: torch.cat(values) for key, values in parts.items()}
-                acts = LayerActivations(index=index, block_in=block_in, block_out=joined["out"],
-                                        mlp_contribution=joined["mlp"], down_out=joined.get("down"),
-                                        last_token=last_token, attn_input=joined.get("attn_in"),
-                                        attn_contribution=joined.get("attn"))
-                for obs in observers:
-                    if index <= obs.last_layer:
-                        obs.on_layer(acts)
-                block_in = joined["out"]
-                del acts, joined, parts
-                progress.update(1)
+    d = handle.adapter.hidden_size(handle.model)
+    needed = [sum(batch.input_ids.numel() for batch in chunk) * d * handle.dtype.itemsize for chunk in chunks]
+    if store_kind == "disk":  # a folder without room fails before the pass, not in its middle
+        check_offload_dir(offload_dir, max(needed))
+    with tqdm(total=len(chunks) * (last_layer + 1), desc=description, unit="layer") as progress:
+        for chunk, chunk_bytes in zip(chunks, needed):
+            _run_chunk(handle, chunk, observers, last_layer, attention, progress,
+                       ActivationStore(store_kind, handle.device, offload_dir, chunk_bytes))
+
+
+def _run_chunk(handle: ModelHandle, chunk: list[Batch], observers: list[Observer], last_layer: int, attention: bool,
+               progress, store: ActivationStore) -> None:
+    """One chunk through layers 0..``last_layer``, its activations handed to the observers as one group."""
+    with store:
+        program = LayerProgram(handle, chunk, store, last_layer)
+        counts = [int(mask.sum()) for mask in program.masks]
+        offsets = [sum(counts[:number]) for number in range(len(chunk))]
+        last_token = torch.cat([last_token_rows(mask) + offset for mask, offset in zip(program.masks, offsets)])
+        block_in = torch.cat([flatten(program.hidden(n), mask) for n, mask in enumerate(program.masks)])
+        for index in range(last_layer + 1):
+            parts: dict[str, list[torch.Tensor]] = {}
+            with program.layer(index) as (block, run):
+                captured: dict = {}
+                capture = SublayerCapture(block, handle.adapter, attention, captured)
+                try:
+                    for number, mask in enumerate(program.masks):
+                        captured["mask"] = mask
+                        output = run(program.hidden(number), number)
+                        if index < last_layer:
+                            program.set_hidden(number, output)
+                        parts.setdefault("out", []).append(flatten(output, mask))
+                        for key in ("mlp", "down", "attn_in", "attn"):
+                            if key in captured:
+                                parts.setdefault(key, []).append(captured.pop(key))
+                finally:
+                    capture.remove()
+            joined = {key: torch.cat(values) for key, values in parts.items()}
+            acts = LayerActivations(index=index, block_in=block_in, block_out=joined["out"],
+                                    mlp_contribution=joined["mlp"], down_out=joined.get("down"),
+                                    last_token=last_token, attn_input=joined.get("attn_in"),
+                                    attn_contribution=joined.get("attn"))
             for obs in observers:
-                obs.end_batch()
-    progress.close()
+                if index <= obs.last_layer:
+                    obs.on_layer(acts)
+            block_in = joined["out"]
+            del acts, joined, parts
+            progress.update(1)
+        for obs in observers:
+            obs.end_batch()
+
+
 
 
 def sequences_for_budget(budget_bytes: int, bytes_per_token: int, sequence_length: int, total_sequences: int) -> int:

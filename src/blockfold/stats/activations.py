@@ -13,7 +13,7 @@ import torch
 @dataclass
 class LayerActivations:
     """What one decoder layer read and wrote for the real (non-padding) tokens of a group of
-    sequences, as (tokens, d) float32 on the device the model runs on."""
+    sequences, as (tokens, d) rows in the model's dtype on the device the model runs on."""
 
     index: int
     block_in: torch.Tensor
@@ -27,8 +27,8 @@ class LayerActivations:
 
     @property
     def attn_residual(self) -> torch.Tensor:
-        """The residual stream after the attention half, before the MLP adds to it."""
-        return self.block_out - self.mlp_contribution
+        """The residual stream after the attention half, before the MLP adds to it (float32 at least)."""
+        return self.block_out.float() - self.mlp_contribution.float()
 
 
 class Observer(Protocol):

@@ -69,14 +69,19 @@ class LinearStatistics:
 
 
 class SublayerLinearity:
-    """Observer: per-layer moments of (sublayer input, sublayer contribution) for every layer."""
+    """Observer: per-layer moments of (sublayer input, sublayer contribution), for every layer or for
+    ``layers``; with ``moments=False`` only the cosine between the residual stream before and after
+    (DROP's criterion: scalars, no d×d sums)."""
 
-    def __init__(self, num_layers: int, target: Literal["attention", "block"]):
+    def __init__(self, num_layers: int, target: Literal["attention", "block"], layers: list[int] | None = None,
+                 moments: bool = True):
         if target not in TARGETS:
             raise BlockfoldError(f"unknown linearity target {target!r}: use one of {', '.join(TARGETS)}")
         self.num_layers = num_layers
         self.target = target
-        self.last_layer = num_layers - 1
+        self.layers = sorted(layers) if layers is not None else list(range(num_layers))
+        self.moments = moments
+        self.last_layer = max(self.layers)
         self.needs_attention = target == "attention"
         self.tokens = [0] * num_layers
         self.cosine_sum = [0.0] * num_layers
@@ -90,14 +95,16 @@ class SublayerLinearity:
         return num_layers * 5 * hidden_size * hidden_size * 8
 
     def sums_bytes(self, hidden_size: int) -> int:
-        return self.sums_bytes_for(self.num_layers, hidden_size)
+        return self.sums_bytes_for(len(self.layers), hidden_size) if self.moments else 0
 
-    def window_bytes_per_token(self, hidden_size: int) -> int:
+    def window_bytes_per_token(self, hidden_size: int, element: int = 4) -> int:
         """Nothing is kept between layers; the float64 working copies of one layer's rows."""
         return 6 * hidden_size * 8
 
     # -- streaming ------------------------------------------------------------------------
     def on_layer(self, acts: LayerActivations) -> None:
+        if acts.index not in self.layers:
+            return
         residual = acts.block_in.double()
         if self.target == "attention":
             x, y = acts.attn_input.double(), acts.attn_contribution.double()
@@ -106,6 +113,8 @@ class SublayerLinearity:
         index = acts.index
         self.tokens[index] += x.shape[0]
         self.cosine_sum[index] += float(F.cosine_similarity(residual, residual + y, dim=-1).sum())
+        if not self.moments:
+            return
         weight = 1.0 / (residual + y).pow(2).sum(-1).clamp(min=1e-30)
         wx, wy = weight[:, None] * x, weight[:, None] * y
         add_sums(self._sums[index], {"x": x.sum(0), "y": y.sum(0), "xx": x.T @ x, "yy": y.T @ y, "yx": y.T @ x,
@@ -130,7 +139,16 @@ class SublayerLinearity:
         return self
 
     def finalize(self) -> list[LinearStatistics]:
+        """Every layer's statistics (an observer of all layers, with moments)."""
         return [self._layer_statistics(index) for index in range(self.num_layers)]
+
+    def measured(self) -> dict[int, LinearStatistics]:
+        """The statistics of the layers this observer accumulated moments for."""
+        return {index: self._layer_statistics(index) for index in self.layers}
+
+    def mean_cosines(self) -> dict[int, float]:
+        """Per observed layer, the mean cosine between the residual stream before and after it."""
+        return {index: self.cosine_sum[index] / max(self.tokens[index], 1) for index in self.layers}
 
     def _layer_statistics(self, index: int) -> LinearStatistics:
         n = self.tokens[index]

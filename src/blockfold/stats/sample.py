@@ -62,15 +62,15 @@ class SpanSample:
         if acts.index == self.start - 1:
             self._keep = self.sampler.next(acts.block_out.shape[0], acts.block_out.device)
             x = acts.down_out if self.pre_norm else acts.mlp_contribution
-            self._pending = (x[self._keep].cpu(), acts.attn_residual[self._keep].cpu())
+            self._pending = (x[self._keep].float().cpu(), acts.attn_residual[self._keep].cpu())
         elif acts.index == self.last_layer and self._pending is not None:
             x, attn = self._pending
-            self._rows.append((x, attn, acts.block_out[self._keep].cpu()))
+            self._rows.append((x, attn, acts.block_out[self._keep].float().cpu()))
 
     def end_batch(self) -> None:
         self._keep, self._pending = None, None
 
-    def window_bytes_per_token(self, hidden_size: int) -> int:
+    def window_bytes_per_token(self, hidden_size: int, element: int = 4) -> int:
         return 0  # only sampled rows are kept, at most max_tokens of them
 
     def sums_bytes(self, hidden_size: int) -> int:

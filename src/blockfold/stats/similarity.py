@@ -63,8 +63,8 @@ class StreamSimilarity:
     def sums_bytes(self, hidden_size: int) -> int:
         return self.sums_bytes_for(self.num_layers, len(self.lengths), hidden_size)
 
-    def window_bytes_per_token(self, hidden_size: int) -> int:
-        return (max(self.lengths, default=0) + 1) * hidden_size * 4 + 2 * hidden_size * 8
+    def window_bytes_per_token(self, hidden_size: int, element: int = 4) -> int:
+        return (max(self.lengths, default=0) + 1) * hidden_size * element + 2 * hidden_size * 8
 
     def on_layer(self, acts: LayerActivations) -> None:
         if acts.index == 0:
@@ -118,7 +118,7 @@ class StreamSubsample:
         self._keep: torch.Tensor | None = None
         self._rows: dict[int, list[torch.Tensor]] = {k: [] for k in range(num_layers + 1)}
 
-    def window_bytes_per_token(self, hidden_size: int) -> int:
+    def window_bytes_per_token(self, hidden_size: int, element: int = 4) -> int:
         return 0
 
     def sums_bytes(self, hidden_size: int) -> int:

@@ -123,16 +123,17 @@ class SpanStatistics:
         self._yty = {i: 0.0 for i in self.fit_starts}
         self._identity_error = {i: 0.0 for i in self.fit_starts}
         self._weighted: dict[int, dict] = {}  # start → {"xtx", "xty", "yty", "identity"}
-        self._hidden: dict[int, torch.Tensor] = {}  # boundary → residual stream (float32)
-        self._x: dict[int, torch.Tensor] = {}  # block before a candidate → the map's input (float32)
+        self._hidden: dict[int, torch.Tensor] = {}  # boundary → residual stream (activations' dtype)
+        self._x: dict[int, torch.Tensor] = {}  # block before a candidate → the map's input
         self._contribution: dict[int, torch.Tensor] = {}  # the same block's MLP contribution, when x differs
 
     # -- memory ---------------------------------------------------------------------------
-    def window_bytes_per_token(self, hidden_size: int) -> int:
-        """Float32 bytes per token of the layers kept within a group (their float64 working copies included)."""
+    def window_bytes_per_token(self, hidden_size: int, element: int = 4) -> int:
+        """Bytes per token of the layers kept within a group, at ``element`` bytes per value (the
+        activations' dtype), their float64 working copies included."""
         boundaries = max(self.max_length, self.fit_length or 0) + 1
         open_inputs = min(self.fit_length or 0, len(self.fit_starts)) * (2 if self.inputs == "down_out" else 1)
-        return (boundaries + open_inputs) * hidden_size * 4 + 6 * hidden_size * 8
+        return (boundaries + open_inputs) * hidden_size * element + 6 * hidden_size * 8
 
     @staticmethod
     def sums_bytes_for(starts: int, hidden_size: int, equations: str = "full", stream_weighted: bool = True) -> int:
