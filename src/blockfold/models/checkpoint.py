@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 from pathlib import Path
 
 import torch
@@ -109,11 +110,22 @@ class CheckpointReader:
         return max(totals, key=totals.get) if totals else torch.float32
 
 
+_DTYPE_CODES = {dtype: code for code, dtype in _DTYPES.items()}
+
+#: (name, shape, dtype) of every tensor a checkpoint will hold, in the order they are written
+Layout = list[tuple[str, tuple[int, ...], torch.dtype]]
+
+
 class ShardWriter:
     """Write tensors into ``folder`` as safetensors shards of at most ``max_shard_bytes`` (a tensor
-    larger than that gets a shard of its own); ``close`` names them as ``save_pretrained`` does."""
+    larger than that gets a shard of its own); ``close`` names them as ``save_pretrained`` does.
 
-    def __init__(self, folder: str | Path, max_shard_bytes: int = DEFAULT_SHARD_BYTES):
+    With a ``layout`` (every tensor's name, shape and dtype, in the order they will come) each
+    shard's header is known in advance, so every tensor goes to its file as it arrives and memory
+    holds one tensor; without one, a shard is gathered in memory and written by safetensors.
+    """
+
+    def __init__(self, folder: str | Path, max_shard_bytes: int = DEFAULT_SHARD_BYTES, layout: Layout | None = None):
         self.folder = Path(folder)
         self.max_shard_bytes = max_shard_bytes
         self._pending: dict[str, torch.Tensor] = {}
@@ -121,17 +133,64 @@ class ShardWriter:
         self._written: list[tuple[Path, list[str]]] = []
         self.total_bytes = 0
         self.total_parameters = 0
+        self._layout = list(layout) if layout is not None else None
+        self._shards = self._plan(self._layout) if layout is not None else []
+        self._starts = {shard[0][0] for shard in self._shards if shard}
+        self._next = 0  # position in the layout
+        self._file = None
+
+    def _plan(self, layout: Layout) -> list[list[tuple[str, tuple[int, ...], torch.dtype]]]:
+        shards: list[list] = [[]]
+        size = 0
+        for name, shape, dtype in layout:
+            nbytes = torch.Size(shape).numel() * dtype.itemsize
+            if shards[-1] and size + nbytes > self.max_shard_bytes:
+                shards.append([])
+                size = 0
+            shards[-1].append((name, tuple(shape), dtype))
+            size += nbytes
+        return shards
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
+        size = tensor.numel() * tensor.element_size()
+        self.total_bytes += size
+        self.total_parameters += tensor.numel()
+        if self._layout is not None:
+            self._stream(name, tensor)
+            return
         if name in self._pending or any(name in names for _, names in self._written):
             raise ValueError(f"tensor {name!r} written twice")
-        size = tensor.numel() * tensor.element_size()
         if self._pending and self._pending_bytes + size > self.max_shard_bytes:
             self._flush()
         self._pending[name] = tensor.detach().to("cpu").contiguous()
         self._pending_bytes += size
-        self.total_bytes += size
-        self.total_parameters += tensor.numel()
+
+    def _stream(self, name: str, tensor: torch.Tensor) -> None:
+        expected, shape, dtype = self._layout[self._next]
+        if (name, tuple(tensor.shape), tensor.dtype) != (expected, shape, dtype):
+            raise ValueError(f"tensor {name} {tuple(tensor.shape)} {tensor.dtype} is not the layout's next one: "
+                             f"{expected} {shape} {dtype}")
+        if name in self._starts:
+            self._open_shard()
+        self._file.write(tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy())
+        self._next += 1
+
+    def _open_shard(self) -> None:
+        """Close the current shard and start the next: its header, then its tensors as they come."""
+        if self._file is not None:
+            self._file.close()
+        tensors = self._shards[len(self._written)]
+        header, offset = {"__metadata__": {"format": "pt"}}, 0
+        for name, shape, dtype in tensors:
+            nbytes = torch.Size(shape).numel() * dtype.itemsize
+            header[name] = {"dtype": _DTYPE_CODES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+        encoded = json.dumps(header, separators=(",", ":")).encode()
+        encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+        path = self.folder / f".shard-{len(self._written):05d}.safetensors"
+        self._file = path.open("wb")
+        self._file.write(struct.pack("<Q", len(encoded)) + encoded)
+        self._written.append((path, [name for name, _, _ in tensors]))
 
     def _flush(self) -> None:
         if not self._pending:
@@ -143,6 +202,12 @@ class ShardWriter:
 
     def close(self) -> list[str]:
         """Write what is left, rename the shards and write the index; returns the file names."""
+        if self._layout is not None:
+            if self._next != len(self._layout):
+                raise ValueError(f"{len(self._layout) - self._next} tensors of the layout were never written")
+            if self._file is not None:
+                self._file.close()
+                self._file = None
         self._flush()
         if len(self._written) == 1:
             os.replace(self._written[0][0], self.folder / SINGLE_FILE)

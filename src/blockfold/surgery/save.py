@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from torch import nn
 from tqdm.auto import tqdm
 from transformers import GenerationConfig
 from transformers.dynamic_module_utils import custom_object_save
@@ -64,20 +65,13 @@ def write_checkpoint(handle: ModelHandle, folder: Path, save_dtype: torch.dtype 
     whole model is never in memory; plain transformers loads the result."""
     model = handle.model
     save_dtype = save_dtype or handle.source_dtype()
-    writer = ShardWriter(folder, max_shard_bytes)
-    written: set[int] = set()  # tied parameters are one object: written once, under its first name
-    modules = list(model.named_modules())
-    for module_name, module in tqdm(modules, desc="writing checkpoint", unit="module", leave=False):
-        prefix = f"{module_name}." if module_name else ""
-        for attr, param in module._parameters.items():
-            if param is None or id(param) in written:
-                continue
-            written.add(id(param))
-            value = handle.saved_value(module, attr)
-            writer.add(prefix + attr, value.to(save_dtype) if value.is_floating_point() else value)
-        for attr, buffer in module._buffers.items():
-            if buffer is not None and attr not in module._non_persistent_buffers_set:
-                writer.add(prefix + attr, buffer)
+    entries = _saved_entries(model)
+    layout = [(name, tuple(tensor.shape), save_dtype if tensor.is_floating_point() else tensor.dtype)
+              for name, _, _, tensor in entries]
+    writer = ShardWriter(folder, max_shard_bytes, layout)
+    for name, module, attr, tensor in tqdm(entries, desc="writing checkpoint", unit="tensor", leave=False):
+        value = handle.saved_value(module, attr) if attr in module._parameters else tensor
+        writer.add(name, value.to(save_dtype) if value.is_floating_point() else value)
     writer.close()
     config = copy.deepcopy(model.config)
     config.dtype = str(save_dtype).removeprefix("torch.")
@@ -90,6 +84,22 @@ def write_checkpoint(handle: ModelHandle, folder: Path, save_dtype: torch.dtype 
         shutil.copyfile(source_generation, folder / GENERATION_CONFIG_NAME)
     elif model.can_generate():
         GenerationConfig.from_model_config(config).save_pretrained(folder)
+
+
+def _saved_entries(model) -> list[tuple[str, nn.Module, str, torch.Tensor]]:
+    """(name, module, attribute, tensor) of everything a checkpoint holds, in state-dict order: each
+    parameter once (tied ones under their first name), and the persistent buffers."""
+    entries, written = [], set()
+    for module_name, module in model.named_modules():
+        prefix = f"{module_name}." if module_name else ""
+        for attr, param in module._parameters.items():
+            if param is not None and id(param) not in written:
+                written.add(id(param))
+                entries.append((prefix + attr, module, attr, param))
+        for attr, buffer in module._buffers.items():
+            if buffer is not None and attr not in module._non_persistent_buffers_set:
+                entries.append((prefix + attr, module, attr, buffer))
+    return entries
 
 
 def save_compressed(
