@@ -81,7 +81,7 @@ def depth(args) -> dict:
     """Peak RSS of compress --blocks L/4 at 8, 32 and 96 blocks of SmolLM2's width: with the defaults,
     and with the same fixed statistics budget and chunk at every depth (memory independent of depth)."""
     rows = []
-    budgets = {"default": [], "fixed budget": ["--stats-memory", args.stats_memory, "--chunk-sequences", "1"]}
+    budgets = {"default": [], "fixed budget": ["--stats-memory", args.depth_stats_memory, "--chunk-sequences", "1"]}
     for layers in (8, 32, 96):
         folder = random_model(args.work, "smollm2-width", layers, "float32")
         for name, extra in budgets.items():
@@ -180,7 +180,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("section", choices=["depth", "small", "tinyllama", "big"])
     parser.add_argument("--work", type=Path, default=Path("/tmp/blockfold-scale"))
-    parser.add_argument("--stats-memory", default="64MiB", help="depth: the fixed statistics budget of the second setting")
+    parser.add_argument("--depth-stats-memory", default="64MiB", help="depth: the fixed statistics budget of the second setting")
     args, extra = parser.parse_known_args()  # flags it does not know go to compress (tinyllama, big)
     args.extra = extra
     args.work.mkdir(parents=True, exist_ok=True)

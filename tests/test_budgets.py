@@ -1,0 +1,106 @@
+"""Bounded statistics: only what the criterion needs is accumulated, within a budget; beyond it
+ReplaceMe screens its candidates and NBL gathers moments in groups, with the same results where the
+screen keeps the winner. The plan (--dry-run) is printed from config.json alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import random_calibration, tiny_model, tiny_tokenizer
+
+import blockfold
+from blockfold.cli import main
+from blockfold.recipe import Recipe
+from blockfold.runtime import Execution
+from blockfold.stats import SpanStatistics
+
+#: one candidate's full sums at hidden size 32: four 32×32 float64 matrices
+PER_START = SpanStatistics.sums_bytes_for(1, 32, "full", True)
+
+
+@pytest.mark.parametrize("pipeline", ["whole", "sequential"])
+def test_screening_keeps_the_winner_and_says_so(pipeline):
+    calibration = random_calibration(num_sequences=8)
+    full = blockfold.compress(tiny_model("llama"), tiny_tokenizer(), {"blocks": 1}, calibration,
+                              execution=Execution(pipeline=pipeline)).manifest
+    assert full["selection"]["statistics"]["sums"] == "full" and full["execution"]["passes"] == 1
+    screened = blockfold.compress(tiny_model("llama"), tiny_tokenizer(), {"blocks": 1}, calibration,
+                                  execution=Execution(pipeline=pipeline, stats_memory=3 * PER_START)).manifest
+    statistics = screened["selection"]["statistics"]
+    assert statistics["sums"] == "screened" and statistics["screening"]["kept_per_length"] == 3
+    assert screened["execution"]["passes"] == 2
+    kept = statistics["screening"]["kept"]["1"]
+    assert len(kept) == 3 and set(screened["selection"]["candidates"]) == set(kept)
+    winner = min(full["selection"]["candidates"], key=full["selection"]["candidates"].get)
+    assert winner in kept, "the diagonal map's score should keep the full criterion's winner on this model"
+    assert screened["removed_blocks"] == full["removed_blocks"]
+    for start in kept:  # the kept candidates' scores are exact
+        assert screened["selection"]["candidates"][start] == pytest.approx(full["selection"]["candidates"][start], rel=1e-9)
+
+
+def test_a_criterion_without_fitted_maps_accumulates_no_normal_equations():
+    calibration = random_calibration(num_sequences=8)
+    uidl = blockfold.compress(tiny_model("llama"), tiny_tokenizer(), {"method": "uidl", "blocks": 2}, calibration).manifest
+    assert uidl["selection"]["statistics"]["sums"] == "none"
+    angular = blockfold.compress(tiny_model("llama"), tiny_tokenizer(), {"blocks": 2, "criterion": "angular_last"},
+                                 calibration, execution=Execution(stats_memory=1024)).manifest
+    # beyond the budget the chosen span's equations come from one refit pass
+    assert angular["selection"]["statistics"]["sums"] == "none" and angular["execution"]["passes"] == 2
+    assert angular["transform"]["estimator"] == "lstsq"
+
+
+@pytest.mark.parametrize("criterion", ["cosine", "cca"])
+def test_nbl_beyond_its_budget_chooses_and_fits_the_same(criterion):
+    calibration = random_calibration(num_sequences=8)
+    recipe = {"method": "nbl", "attention_layers": 2, "linearity_criterion": criterion}
+    full_model, small_model = tiny_model("llama"), tiny_model("llama")
+    full = blockfold.compress(full_model, tiny_tokenizer(), recipe, calibration).manifest
+    per_layer = 5 * 32 * 32 * 8
+    small = blockfold.compress(small_model, tiny_tokenizer(), recipe, calibration,
+                               execution=Execution(stats_memory=2 * per_layer)).manifest
+    assert small["replaced"] == full["replaced"]
+    assert small["execution"]["passes"] == (1 if criterion == "cosine" else 3) + 1
+    for layer in full["replaced"]["layers"]:
+        a, b = full_model.model.layers[layer].self_attn.linear, small_model.model.layers[layer].self_attn.linear
+        assert torch.allclose(a.weight, b.weight, atol=1e-6) and torch.allclose(a.bias, b.bias, atol=1e-6)
+
+
+def test_dry_run_plans_from_config_json_alone(capsys, tmp_path):
+    config = tmp_path / "config.json"
+    tiny_model("llama").config.to_json_file(config)
+    assert main(["compress", "--model", str(config), "--out", str(tmp_path / "o"), "--blocks", "2", "--calib",
+                 "x.jsonl", "--num-seqs", "16", "--seq-len", "64", "--dry-run", "1GiB"]) == 0
+    printed = capsys.readouterr().out
+    for needle in ("weights", "pipeline", "statistics", "passes", "peak memory", "time on H100"):
+        assert needle in printed
+    assert not (tmp_path / "o").exists()
+
+
+def test_dry_run_numbers_for_the_big_configs():
+    """The figures docs/scale.md quotes: Llama-3-8B whole with all sums; Llama-3.1-70B layer by layer, screened."""
+    from pathlib import Path
+
+    from blockfold.plan import plan_for
+
+    configs = Path(__file__).resolve().parents[1] / "bench" / "configs"
+    calibration = {"source": "c4.jsonl", "num_sequences": 256, "sequence_length": 2048}
+    small = plan_for(str(configs / "llama-3-8b" / "config.json"), Recipe.parse({"blocks": 8, "calibration": calibration}),
+                     Execution(), 80 << 30).numbers
+    assert small["pipeline"] == "whole" and small["passes"] == 1 and small["sums_bytes"] == 24 * 4 * 4096**2 * 8
+    big = plan_for(str(configs / "llama-3.1-70b" / "config.json"), Recipe.parse({"blocks": 20, "calibration": calibration}),
+                   Execution(), 80 << 30).numbers
+    assert big["pipeline"] == "sequential" and big["passes"] == 2 and big["peak_bytes"] < 80 << 30
+    assert big["sums_bytes"] <= big["budget_bytes"]
+
+
+def test_version_1_recipes_are_read_with_their_defaults(tmp_path):
+    old = tmp_path / "old.yaml"
+    old.write_text("recipe_version: 1\nmethod: replaceme\nblocks: 3\nattention_layers: null\nratio: null\n"
+                   "estimator: lstsq\nrank: null\nspan_start: null\nridge_alpha: 0.0\ncriterion: null\nspans: 1\n"
+                   "linearity_criterion: cosine\ngreedy: false\nsandwich_fold: auto\n"
+                   "calibration: {num_sequences: 8}\ncosine: {max_tokens: 16384, steps: 60, learning_rate: 1.0, l1_penalty: 0.0}\n")
+    recipe = Recipe.from_yaml(old)
+    assert recipe.recipe_version == 2 and recipe.settings.blocks == 3
+    assert recipe.settings.criterion == "fit_error_stream" and recipe.calibration.num_sequences == 8
+    again = Recipe.parse(Recipe.from_yaml(old).model_dump(mode="json"))
+    assert again == recipe
