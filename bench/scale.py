@@ -3,7 +3,7 @@
     .venv/bin/python bench/scale.py depth       # random SmolLM2-width models of 8, 32, 96 blocks, --blocks L/4
     .venv/bin/python bench/scale.py small       # SmolLM2-135M, 64 x 512 tokens: peak RSS and time, both pipelines
     .venv/bin/python bench/scale.py tinyllama   # random TinyLlama-width, 32 blocks, float32 (~6 GB): RSS vs weights
-    .venv/bin/python bench/scale.py big         # random Llama-2-7B-width, 48 blocks, bfloat16 (~20 GB, > free RAM)
+    .venv/bin/python bench/scale.py big         # random Llama-2-7B-width, 64 blocks, bfloat16 (~27 GB, more than the RAM)
 
 Random-weight models of real shapes (bench/random_model.py) stand in for the big ones; they are
 built once under ``--work`` (default /tmp/blockfold-scale). Every compress runs ``blockfold compress``
@@ -154,9 +154,9 @@ def tinyllama(args) -> dict:
 
 
 def big(args) -> dict:
-    folder = random_model(args.work, "llama2-7b-width", 48, "bfloat16")
+    folder = random_model(args.work, "llama2-7b-width", 64, "bfloat16")
     with tempfile.TemporaryDirectory(dir=args.work) as tmp:
-        run = run_compress(str(folder), Path(tmp) / "out", "--blocks", "12", "--pipeline", "sequential",
+        run = run_compress(str(folder), Path(tmp) / "out", "--blocks", "16", "--pipeline", "sequential",
                            *calibration_flags(4, 256, batch=4), *args.extra)
     run["weight_mib"] = weight_bytes(folder) / 2**20
     run["machine_memory_mib"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**20

