@@ -136,9 +136,6 @@ def compress(
     """
     from blockfold.methods import METHODS, Job
     from blockfold.pipelines import Runner
-    from blockfold.runtime import keep_large_allocations_mapped
-
-    keep_large_allocations_mapped()
     recipe = as_recipe(recipe)
     execution = execution or Execution()
     handle = as_handle(model, tokenizer, execution)

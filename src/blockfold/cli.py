@@ -639,9 +639,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from blockfold.runtime import keep_large_allocations_mapped
-
-    keep_large_allocations_mapped()  # before the first large buffer, so none is kept in the heap
     args = build_parser().parse_args(argv)
     warnings.simplefilter("default")
     try:

@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 from blockfold.data import Batch
 from blockfold.models.handle import ModelHandle
 from blockfold.pipelines.buffers import ActivationStore
-from blockfold.runtime import check_offload_dir, keep_large_allocations_mapped
+from blockfold.runtime import check_offload_dir, release_free_memory
 from blockfold.pipelines.capture import SublayerCapture, first, flatten, last_token_rows, needs_attention
 from blockfold.stats.activations import LayerActivations, Observer
 
@@ -101,6 +101,7 @@ class LayerProgram:
 
         with self.handle.materialized(block), torch.no_grad():
             yield block, run
+        release_free_memory()  # the block's weights, freed just now
 
 
 def chunks_of(batches: list[Batch], sequences_per_chunk: int | None) -> list[list[Batch]]:
@@ -122,7 +123,6 @@ def run_sequential(handle: ModelHandle, batches: list[Batch], observers: list[Ob
                    sequences_per_chunk: int | None = None, offload_dir: str | None = None,
                    description: str = "calibration pass") -> None:
     """One pass of ``batches`` through layers 0..(deepest observed), layer by layer per chunk."""
-    keep_large_allocations_mapped()
     last_layer = max(obs.last_layer for obs in observers)
     attention = needs_attention(observers)
     chunks = chunks_of(list(batches), sequences_per_chunk)
@@ -172,6 +172,7 @@ def _run_chunk(handle: ModelHandle, chunk: list[Batch], observers: list[Observer
                     obs.on_layer(acts)
             block_in = joined["out"]
             del acts, joined, parts
+            release_free_memory()  # the observers' float64 working copies
             progress.update(1)
         for obs in observers:
             obs.end_batch()
