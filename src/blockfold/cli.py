@@ -73,8 +73,8 @@ def _add_execution(p, pipeline: bool = True, save: bool = False) -> None:
                            help="sequential pipeline: where activations wait between layers")
         group.add_argument("--offload-dir", help="folder for --offload disk (default: the system's temporary folder)")
         group.add_argument("--chunk-sequences", type=int,
-                           help="sequential pipeline: sequences run through each layer together (weights are read "
-                                "once per chunk); default: as many as a memory budget allows")
+                           help="sequences run through each layer together (sequential: weights are read once per "
+                                "chunk; whole: the most in one forward); default: as many as a memory budget allows")
         group.add_argument("--stats-memory", type=_byte_size,
                            help="memory the float64 statistics may take, e.g. 2GiB (default: a quarter of the free "
                                 "memory); beyond it span candidates are screened first (one more pass)")

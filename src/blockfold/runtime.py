@@ -40,8 +40,9 @@ class Execution(Strict):
     # where the sequential pipeline keeps activations between layers
     offload: Literal["auto", "none", "cpu", "disk"] = "auto"
     offload_dir: str | None = None
-    # sequences per chunk of the sequential pipeline (weights are read once per chunk); None: as many
-    # as a memory budget allows (a share of a GPU's free memory, 512 MiB on a CPU)
+    # sequences per chunk of the sequential pipeline (weights are read once per chunk), and the most
+    # sequences in one forward of the whole pipeline; None: as many as a memory budget allows (a share
+    # of a GPU's free memory, 512 MiB on a CPU; the whole pipeline: the batch, 96 MiB on a CPU)
     chunk_sequences: int | None = Field(None, ge=1)
     # bytes the statistics (float64 sums) may take; None: a quarter of the free memory where they live.
     # Beyond it, span candidates are screened with cheap statistics first (one more pass)

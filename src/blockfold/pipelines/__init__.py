@@ -24,6 +24,9 @@ from blockfold.stats.activations import Observer
 ACTIVATION_SHARE = {"cuda": 0.7}
 #: on a CPU the weights are cheap to re-read next to the compute, so chunks stay small
 CPU_ACTIVATION_BYTES = 512 << 20
+#: on a CPU the whole-model pass runs forwards of at most this much working memory (the resident
+#: weights already take their share; a smaller forward costs about as much per token there)
+CPU_WHOLE_GROUP_BYTES = 96 << 20
 #: share of the free memory where the statistics live that their float64 sums may take by default
 STATS_SHARE = 0.25
 
@@ -48,7 +51,7 @@ class Runner:
         self.passes += 1
         started = time.perf_counter()
         if self.pipeline == "whole":
-            run_whole(self.handle, batches, observers, description)
+            run_whole(self.handle, batches, observers, description, self.sequences_per_group(batches, observers))
         else:
             run_sequential(self.handle, batches, observers, self.store_kind(),
                            self.sequences_per_chunk(batches, observers), self.execution.offload_dir, description)
@@ -81,6 +84,17 @@ class Runner:
         length = max(batch.input_ids.shape[1] for batch in batches)
         total = sum(len(batch.input_ids) for batch in batches)
         return sequences_for_budget(budget, self.activation_bytes_per_token(observers), length, total)
+
+    def sequences_per_group(self, batches: list[Batch], observers: list[Observer]) -> int | None:
+        """The whole pipeline's largest forward: batches as given on an accelerator, split on a CPU so
+        the observers' per-token working memory stays within ``CPU_WHOLE_GROUP_BYTES``."""
+        if self.execution.chunk_sequences is not None:
+            return self.execution.chunk_sequences
+        if self.handle.device.type != "cpu":
+            return None
+        length = max(batch.input_ids.shape[1] for batch in batches)
+        total = sum(len(batch.input_ids) for batch in batches)
+        return sequences_for_budget(CPU_WHOLE_GROUP_BYTES, self.activation_bytes_per_token(observers), length, total)
 
     def stats_budget(self) -> int:
         """Bytes the float64 sums may take: ``--stats-memory``, else a share of the free memory of the device."""

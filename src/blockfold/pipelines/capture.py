@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from blockfold.adapters import DecoderAdapter
+from blockfold.data import Batch
 from blockfold.stats.activations import Observer
 
 
@@ -51,3 +52,11 @@ def flatten(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 def last_token_rows(mask: torch.Tensor) -> torch.Tensor:
     """Row index, in the flattened real tokens, of each sequence's last real token."""
     return mask.sum(-1).cumsum(0) - 1
+
+
+def split_rows(batches: list[Batch], most: int | None) -> list[Batch]:
+    """The batches, each larger than ``most`` sequences split by rows (None: as they are)."""
+    if most is None:
+        return batches
+    return [Batch(batch.input_ids[i : i + most], batch.attention_mask[i : i + most])
+            for batch in batches for i in range(0, len(batch.input_ids), most)]

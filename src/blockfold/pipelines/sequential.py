@@ -24,8 +24,8 @@ from tqdm.auto import tqdm
 from blockfold.data import Batch
 from blockfold.models.handle import ModelHandle
 from blockfold.pipelines.buffers import ActivationStore
+from blockfold.pipelines.capture import SublayerCapture, first, flatten, last_token_rows, needs_attention, split_rows
 from blockfold.runtime import check_offload_dir, release_free_memory
-from blockfold.pipelines.capture import SublayerCapture, first, flatten, last_token_rows, needs_attention
 from blockfold.stats.activations import LayerActivations, Observer
 
 
@@ -109,8 +109,7 @@ def chunks_of(batches: list[Batch], sequences_per_chunk: int | None) -> list[lis
     batch larger than a chunk is split by rows). None: one batch per chunk."""
     if sequences_per_chunk is None:
         return [[batch] for batch in batches]
-    rows = [Batch(batch.input_ids[i : i + sequences_per_chunk], batch.attention_mask[i : i + sequences_per_chunk])
-            for batch in batches for i in range(0, len(batch.input_ids), sequences_per_chunk)]
+    rows = split_rows(batches, sequences_per_chunk)
     grouped: list[list[Batch]] = [[]]
     for part in rows:
         if grouped[-1] and sum(len(b.input_ids) for b in grouped[-1]) + len(part.input_ids) > sequences_per_chunk:

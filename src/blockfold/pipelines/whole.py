@@ -1,6 +1,10 @@
 """The whole-model pipeline: the model resident on its device, one batch after the other through the
 decoder (no LM head), hooks handing each layer's activations to the observers as it finishes; the
-pass stops after the deepest layer any observer needs. The fast path when the model fits."""
+pass stops after the deepest layer any observer needs. The fast path when the model fits.
+
+A batch larger than ``sequences_per_group`` runs as several smaller forwards: the observers' windows
+and float64 working copies grow with the tokens of one forward, and on a CPU they, not the compute,
+set the pass's memory (the forward's cost per token barely changes with its size there)."""
 
 from __future__ import annotations
 
@@ -11,7 +15,8 @@ from tqdm.auto import tqdm
 
 from blockfold.data import Batch
 from blockfold.models.handle import ModelHandle
-from blockfold.pipelines.capture import SublayerCapture, first, flatten, last_token_rows, needs_attention
+from blockfold.pipelines.capture import SublayerCapture, first, flatten, last_token_rows, needs_attention, split_rows
+from blockfold.runtime import release_free_memory
 from blockfold.stats.activations import LayerActivations, Observer
 
 
@@ -21,7 +26,7 @@ class _StopForward(Exception):
 
 @torch.no_grad()
 def run_whole(handle: ModelHandle, batches: Iterable[Batch], observers: list[Observer],
-              description: str = "calibration pass") -> None:
+              description: str = "calibration pass", sequences_per_group: int | None = None) -> None:
     model, adapter, device = handle.model, handle.adapter, handle.device
     layers = adapter.layers(model)
     last_layer = max(obs.last_layer for obs in observers)
@@ -52,7 +57,7 @@ def run_whole(handle: ModelHandle, batches: Iterable[Batch], observers: list[Obs
     captures = [SublayerCapture(layer, adapter, attention, state) for layer in layers[: last_layer + 1]]
     handles += [layer.register_forward_hook(finish_layer(index)) for index, layer in enumerate(layers[: last_layer + 1])]
     try:
-        for batch in tqdm(list(batches), desc=description, unit="batch"):
+        for batch in tqdm(split_rows(list(batches), sequences_per_group), desc=description, unit="batch"):
             mask = batch.attention_mask.to(device).bool()
             state.clear()
             state["mask"] = mask
@@ -64,6 +69,7 @@ def run_whole(handle: ModelHandle, batches: Iterable[Batch], observers: list[Obs
                 pass
             for obs in observers:
                 obs.end_batch()
+            release_free_memory()  # the group's activations and the observers' working copies
     finally:
         for handle_ in handles:
             handle_.remove()
