@@ -4,6 +4,7 @@ a tiny model goes through compress and eval and reloads without blockfold instal
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -230,3 +231,49 @@ def test_inconsistent_variant_flags_are_refused(capsys, tiny_folder, corpus, tmp
     code, err = _run(capsys, *_compress_args(tiny_folder, corpus, out, "--blocks", "2"), *argv)
     _assert_one_line_error(code, err, *needles)
     assert not out.exists()
+
+
+def test_unreadable_calibration_files(capsys, tiny_folder, tmp_path):
+    """Random bytes and a malformed JSON line name the file (and the line) instead of a traceback."""
+    binary = tmp_path / "random.jsonl"
+    binary.write_bytes(bytes(range(128, 256)) * 8)
+    code, err = _run(capsys, *_compress_args(tiny_folder, binary, tmp_path / "out"))
+    _assert_one_line_error(code, err, str(binary), "not UTF-8")
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"text": "w1 w2"}\n\n{"text": "w3\n{"text": "w4"}\n')
+    code, err = _run(capsys, *_compress_args(tiny_folder, broken, tmp_path / "out"))
+    _assert_one_line_error(code, err, str(broken), "line 3", "not valid JSON")
+    whole = tmp_path / "broken.json"
+    whole.write_text('[{"text": "w1"},\n {"text": }]')
+    code, err = _run(capsys, *_compress_args(tiny_folder, whole, tmp_path / "out"))
+    _assert_one_line_error(code, err, str(whole), "line 2", "not valid JSON")
+    assert not (tmp_path / "out").exists()
+
+
+def test_non_finite_weights_name_the_layer(capsys, tiny_folder, corpus, tmp_path, pipeline):
+    """NaN in a layer's weights stops the pass at that layer with its index, not in a Cholesky solve."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_folder)
+    with torch.no_grad():
+        model.model.layers[2].mlp.down_proj.weight[0, 0] = float("nan")
+    model.save_pretrained(tiny_folder)
+    code, err = _run(capsys, *_compress_args(tiny_folder, corpus, tmp_path / "out", "--blocks", "1",
+                                             "--pipeline", pipeline))
+    _assert_one_line_error(code, err, "layer 2's output", "NaN")
+    assert not (tmp_path / "out").exists()
+
+
+def test_stale_staging_folders_are_removed(capsys, tiny_folder, corpus, tmp_path):
+    """A run killed while saving leaves its staging folder; the next run into the same place removes
+    it, and leaves a live run's alone."""
+    out = tmp_path / "out"
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = tmp_path / f".out.partial-{int(dead.stdout)}-x1"
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"half")
+    live = tmp_path / f".out.partial-{os.getpid()}-x2"
+    live.mkdir()
+    assert main(_compress_args(tiny_folder, corpus, out, "--blocks", "1")) == 0
+    assert not stale.exists() and live.exists()
+    assert "interrupted run" in capsys.readouterr().err

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
+import signal
 import sys
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -638,9 +641,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _log_to_stderr() -> None:
+    """blockfold's own diagnostics (``logging``, INFO and above) on stderr, once per process."""
+    logger = logging.getLogger("blockfold")
+    if not any(isinstance(handler, _StderrHandler) for handler in logger.handlers):
+        handler = _StderrHandler()
+        handler.setFormatter(logging.Formatter("blockfold: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+
+
+class _StderrHandler(logging.Handler):
+    """Writes to whatever ``sys.stderr`` is when a record comes (a redirected stream included)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        print(self.format(record), file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     warnings.simplefilter("default")
+    _log_to_stderr()
+    # a terminated run unwinds like an interrupted one, so its staging folder is removed
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
         return {"compress": cmd_compress, "eval": cmd_eval, "bench": cmd_bench, "heal": cmd_heal,
                 "analyze": cmd_analyze, "sweep": cmd_sweep, "report": cmd_report}[args.command](args)

@@ -59,19 +59,41 @@ class CalibrationSet:
         return sum(b.num_tokens for b in self.batches)
 
 
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise BlockfoldError(f"calibration file {path} is not UTF-8 text (byte {error.start} cannot be decoded): "
+                             "give a UTF-8 .txt, .jsonl or .json file") from None
+    except OSError as error:
+        raise BlockfoldError(f"cannot read calibration file {path}: {error.strerror}") from None
+
+
 def _read_records(path: Path) -> list:
+    if path.suffix not in (".txt", ".jsonl", ".json"):
+        raise BlockfoldError(f"calibration file {path} has unknown type {path.suffix!r}: use .txt, .jsonl or .json")
+    text = _read_text(path)
     if path.suffix == ".txt":
-        return [path.read_text(encoding="utf-8")]
+        return [text]
     if path.suffix == ".jsonl":
-        lines = path.read_text(encoding="utf-8").splitlines()
-        return [json.loads(line) for line in lines if line.strip()]
-    if path.suffix == ".json":
-        data = json.loads(path.read_text(encoding="utf-8"))
-        if isinstance(data, dict):  # {"data": [...]} and similar single-key wrappers
-            lists = [v for v in data.values() if isinstance(v, list)]
-            data = lists[0] if len(lists) == 1 else [data]
-        return data
-    raise BlockfoldError(f"calibration file {path} has unknown type {path.suffix!r}: use .txt, .jsonl or .json")
+        records = []
+        for number, line in enumerate(text.splitlines(), start=1):
+            if line.strip():
+                try:
+                    records.append(json.loads(line))
+                except json.JSONDecodeError as error:
+                    raise BlockfoldError(f"calibration file {path}, line {number}, is not valid JSON ({error.msg}: "
+                                         f"column {error.colno}): fix or remove that line") from None
+        return records
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise BlockfoldError(f"calibration file {path} is not valid JSON ({error.msg}: line {error.lineno}, "
+                             f"column {error.colno}): fix the file, or use .jsonl for one record per line") from None
+    if isinstance(data, dict):  # {"data": [...]} and similar single-key wrappers
+        lists = [v for v in data.values() if isinstance(v, list)]
+        data = lists[0] if len(lists) == 1 else [data]
+    return data
 
 
 def _load_saved_dataset(path: Path) -> list:

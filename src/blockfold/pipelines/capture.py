@@ -8,6 +8,7 @@ from torch import nn
 
 from blockfold.adapters import DecoderAdapter
 from blockfold.data import Batch
+from blockfold.errors import BlockfoldError
 from blockfold.stats.activations import Observer
 
 
@@ -60,3 +61,13 @@ def split_rows(batches: list[Batch], most: int | None) -> list[Batch]:
         return batches
     return [Batch(batch.input_ids[i : i + most], batch.attention_mask[i : i + most])
             for batch in batches for i in range(0, len(batch.input_ids), most)]
+
+
+def check_finite(index: int, block_out: torch.Tensor) -> None:
+    """Stop at the first layer whose output is not finite, naming it: the sums would carry the NaN
+    into every fit and end in a linear-algebra error far from its cause."""
+    if not bool(torch.isfinite(block_out).all()):
+        raise BlockfoldError(
+            f"layer {index}'s output holds NaN or infinite values (in {str(block_out.dtype).removeprefix('torch.')} on {block_out.device.type}): "
+            "check that layer's weights in the checkpoint; with --dtype float16, use bfloat16 or float32 instead"
+        )

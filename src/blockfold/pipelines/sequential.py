@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 from blockfold.data import Batch
 from blockfold.models.handle import ModelHandle
 from blockfold.pipelines.buffers import ActivationStore
-from blockfold.pipelines.capture import SublayerCapture, first, flatten, last_token_rows, needs_attention, split_rows
+from blockfold.pipelines.capture import SublayerCapture, check_finite, first, flatten, last_token_rows, needs_attention, split_rows
 from blockfold.runtime import check_offload_dir, release_free_memory
 from blockfold.stats.activations import LayerActivations, Observer
 
@@ -162,6 +162,7 @@ def _run_chunk(handle: ModelHandle, chunk: list[Batch], observers: list[Observer
                 finally:
                     capture.remove()
             joined = {key: torch.cat(values) for key, values in parts.items()}
+            check_finite(index, joined["out"])
             acts = LayerActivations(index=index, block_in=block_in, block_out=joined["out"],
                                     mlp_contribution=joined["mlp"], down_out=joined.get("down"),
                                     last_token=last_token, attn_input=joined.get("attn_in"),

@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 
 from blockfold.data import Batch
 from blockfold.models.handle import ModelHandle
-from blockfold.pipelines.capture import SublayerCapture, first, flatten, last_token_rows, needs_attention, split_rows
+from blockfold.pipelines.capture import SublayerCapture, check_finite, first, flatten, last_token_rows, needs_attention, split_rows
 from blockfold.runtime import release_free_memory
 from blockfold.stats.activations import LayerActivations, Observer
 
@@ -39,6 +39,7 @@ def run_whole(handle: ModelHandle, batches: Iterable[Batch], observers: list[Obs
     def finish_layer(index):
         def hook(module, args, output):
             block_out = flatten(first(output), state["mask"])
+            check_finite(index, block_out)
             acts = LayerActivations(
                 index=index, block_in=state.pop("block_in"), block_out=block_out,
                 mlp_contribution=state.pop("mlp"), down_out=state.pop("down", None),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -25,6 +26,8 @@ from blockfold.models.handle import ModelHandle
 MANIFEST_NAME = "blockfold_manifest.json"
 RECIPE_NAME = "blockfold_recipe.yaml"
 
+logger = logging.getLogger(__name__)
+
 
 def check_output_folder(out: str | Path, overwrite: bool) -> Path:
     """Refuse an existing output folder unless ``overwrite``; called before any work is done."""
@@ -36,6 +39,30 @@ def check_output_folder(out: str | Path, overwrite: bool) -> Path:
     return out
 
 
+def remove_stale_staging(out: Path) -> list[Path]:
+    """Remove the staging folders a killed run left beside ``out`` (``.<out>.partial-<pid>-*`` and
+    ``.<out>.old-<pid>-*`` whose process is gone); a live run's folders are left alone."""
+    removed = []
+    for folder in out.parent.glob(f".{out.name}.*-*-*"):
+        kind, _, rest = folder.name[len(out.name) + 2 :].partition("-")
+        pid = rest.split("-", 1)[0]
+        if kind in ("partial", "old") and pid.isdigit() and not _process_alive(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+            logger.info("removed %s, left by an interrupted run (process %s)", folder, pid)
+            removed.append(folder)
+    return removed
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
 @contextmanager
 def staged_folder(out: str | Path, overwrite: bool = False) -> Iterator[Path]:
     """Yield an empty folder beside ``out`` to write into; when the block ends without error it
@@ -43,11 +70,12 @@ def staged_folder(out: str | Path, overwrite: bool = False) -> Iterator[Path]:
     deleted: nothing half written is ever at ``out``."""
     out = check_output_folder(out, overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    remove_stale_staging(out)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-{os.getpid()}-", dir=out.parent))
     try:
         yield staging
         if out.exists():
-            retired = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+            retired = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-{os.getpid()}-", dir=out.parent))
             os.replace(out, retired / out.name)
             os.replace(staging, out)
             shutil.rmtree(retired, ignore_errors=True)
