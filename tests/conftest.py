@@ -11,7 +11,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach for a hub
 
 import pytest  # noqa: E402
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
+from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import (
     Gemma2Config,
     Gemma3TextConfig,
@@ -59,10 +59,14 @@ def tiny_model(arch: str, seed: int = 0):
     return model
 
 
-def tiny_tokenizer() -> PreTrainedTokenizerFast:
+def tiny_tokenizer(adds_bos: bool = False) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer of ``w0``..``w{VOCAB-5}``; ``adds_bos``: it starts every text with
+    ``<bos>`` as Gemma's and Llama's do (SmolLM2's adds nothing)."""
     words = ["<pad>", "<bos>", "<eos>", "<unk>"] + [f"w{i}" for i in range(VOCAB - 4)]
     core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    if adds_bos:
+        core.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
     return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<bos>",
                                    eos_token="<eos>", unk_token="<unk>")
 

@@ -42,3 +42,24 @@ def test_uidl_removes_the_contiguous_do_nothing_span_without_a_transform(tokeniz
     assert result.manifest["removed_blocks"] == [3, 4]
     assert result.manifest["transform"]["estimator"] == "identity"
     assert torch.equal(get_adapter(model).down_proj(get_adapter(model).layers(model)[2]).weight, down_before)
+
+
+def test_left_padding_scores_only_real_predictions():
+    """SLEB's calibration perplexity counts a prediction only where the position making it is real:
+    left- and right-padded batches of the same sequences score the same tokens the same."""
+    from blockfold.data import Batch
+    from blockfold.data.calibration import batch_sequences
+    from blockfold.eval.perplexity import next_token_nll
+
+    model = tiny_model("llama").eval()
+    adapter = get_adapter(model)
+    sequences = [torch.arange(4, 14), torch.arange(20, 26)]
+    scores = {}
+    for side in ("left", "right"):
+        batch: Batch = batch_sequences(sequences, 2, 0, side)[0]
+        with torch.no_grad():
+            hidden = model.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                                 position_ids=batch.position_ids).last_hidden_state
+            scores[side] = next_token_nll(model, adapter, hidden, batch.input_ids, batch.attention_mask)
+    assert scores["left"][1] == scores["right"][1] == 9 + 5
+    assert abs(scores["left"][0] - scores["right"][0]) < 1e-3 * scores["right"][0]

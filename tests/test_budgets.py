@@ -100,7 +100,41 @@ def test_version_1_recipes_are_read_with_their_defaults(tmp_path):
                    "linearity_criterion: cosine\ngreedy: false\nsandwich_fold: auto\n"
                    "calibration: {num_sequences: 8}\ncosine: {max_tokens: 16384, steps: 60, learning_rate: 1.0, l1_penalty: 0.0}\n")
     recipe = Recipe.from_yaml(old)
-    assert recipe.recipe_version == 2 and recipe.settings.blocks == 3
+    assert recipe.recipe_version == 3 and recipe.settings.blocks == 3
+    assert recipe.calibration.document_separator == "blank-line" and not recipe.calibration.start_every_sequence
     assert recipe.settings.criterion == "fit_error_stream" and recipe.calibration.num_sequences == 8
     again = Recipe.parse(Recipe.from_yaml(old).model_dump(mode="json"))
     assert again == recipe
+
+
+def test_version_2_recipes_run_as_they_did(tmp_path):
+    """Version 2 packed with blank lines and no start per sequence, and its ReplaceMe ridge was a total:
+    migrated, the same run comes out (the ridge per token of the recipe's tokens)."""
+    old = tmp_path / "v2.yaml"
+    old.write_text("recipe_version: 2\nmethod: replaceme\nsettings: {blocks: 3, ridge_alpha: 2048.0}\n"
+                   "calibration: {num_sequences: 8, sequence_length: 128}\n")
+    recipe = Recipe.from_yaml(old)
+    assert recipe.recipe_version == 3 and recipe.settings.ridge_alpha == 2.0
+    assert recipe.calibration.document_separator == "blank-line" and not recipe.calibration.start_every_sequence
+    assert Recipe.parse({"blocks": 3}).calibration.document_separator == "eos"
+
+
+def test_ridge_means_the_same_per_token_for_replaceme_and_nbl():
+    """The same ridge_alpha shrinks a ReplaceMe map the same whatever the calibration size (it is per
+    token, as NBL's is added to the covariance): doubling the data leaves the map unchanged."""
+    from blockfold.estimate import fit_span_map
+    from blockfold.stats import NormalEquations
+
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 6, generator=generator, dtype=torch.float64)
+    y = x @ torch.randn(6, 6, generator=generator, dtype=torch.float64) + 0.1 * torch.randn(256, 6, generator=generator, dtype=torch.float64)
+
+    def equations(rows: int) -> NormalEquations:
+        xs, ys = x.repeat(rows // 256, 1), y.repeat(rows // 256, 1)
+        return NormalEquations(xs.T @ xs, xs.T @ ys, float((ys * ys).sum()), float(((xs - ys) ** 2).sum()), rows)
+
+    small, info = fit_span_map(equations(256), "lstsq", ridge_alpha=0.5)
+    large, _ = fit_span_map(equations(1024), "lstsq", ridge_alpha=0.5)
+    plain, _ = fit_span_map(equations(256), "lstsq")
+    assert torch.allclose(small, large, atol=1e-10) and not torch.allclose(small, plain, atol=1e-3)
+    assert info["ridge_alpha"] == 0.5

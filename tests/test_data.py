@@ -134,3 +134,61 @@ def test_saved_benchmark_split_with_a_text_template(tmp_path):
         build_calibration(config.model_copy(update={"text_template": "{question} {answer}"}), tiny_tokenizer())
     with pytest.raises(BlockfoldError, match="not a saved dataset"):
         build_calibration(CalibrationConfig(source=str(tmp_path)), tiny_tokenizer())
+
+
+def _documents(tmp_path, count=10, words=50):
+    path = tmp_path / "docs.jsonl"
+    path.write_text("\n".join(json.dumps({"text": _words(words, 7 * k)}) for k in range(count)))
+    return path
+
+
+@pytest.mark.parametrize("adds_bos", [True, False])
+def test_packed_sequences_start_as_texts_do_and_documents_end_with_eos(tmp_path, adds_bos):
+    """Every packed sequence begins as the tokenizer begins a text (BOS where it adds one), and each
+    document ends with EOS instead of running into the next."""
+    tokenizer = tiny_tokenizer(adds_bos=adds_bos)
+    calibration = build_calibration(CalibrationConfig(source=str(_documents(tmp_path)), num_sequences=8,
+                                                      sequence_length=32), tokenizer)
+    rows = torch.cat([b.input_ids for b in calibration])
+    assert rows.shape == (8, 32) and bool(torch.cat([b.attention_mask for b in calibration]).all())
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    assert (rows[:, 0] == bos).all() if adds_bos else not (rows == bos).any()
+    assert not ((rows[:, :-1] == bos) & (rows[:, 1:] == bos)).any(), "no doubled BOS"
+    flat = rows.flatten().tolist()
+    ends = [i for i, token in enumerate(flat) if token == eos]
+    assert len(ends) >= 4, "8 x 32 tokens span at least four 51-token documents"
+    following = [flat[end + 1] for end in ends if (end + 1) % 32]  # within a sequence
+    assert following and all((token == bos) == adds_bos and token != eos for token in following), \
+        "after a document's EOS comes the next document as the tokenizer starts it"
+    document = tokenizer(_words(50, 0), add_special_tokens=False).input_ids
+    if adds_bos:  # the cut inside the first document: its rest follows the second sequence's BOS
+        assert rows[0, 1:].tolist() == document[:31] and rows[1, 1:20].tolist() == document[31:]
+        assert rows[1, 20] == eos
+    else:
+        assert flat[:50] == document and flat[50] == eos
+
+
+def test_version_2_packing_is_kept_for_replay(tmp_path):
+    """``document_separator="blank-line"`` without a start per sequence is version 2's packing: one text
+    joined by blank lines, cut into consecutive sequences."""
+    path = _documents(tmp_path)
+    tokenizer = tiny_tokenizer(adds_bos=True)
+    config = CalibrationConfig(source=str(path), num_sequences=6, sequence_length=32,
+                               document_separator="blank-line", start_every_sequence=False)
+    rows = torch.cat([b.input_ids for b in build_calibration(config, tokenizer)])
+    texts = [json.loads(line)["text"] for line in path.read_text().splitlines()]
+    expected = tokenizer("\n\n".join(texts), return_tensors="pt").input_ids[0][: 6 * 32].view(6, 32)
+    assert torch.equal(rows, expected)
+
+
+def test_mix_never_asks_for_more_sequences_than_given(tmp_path):
+    """A source with a tiny weight still gets one sequence, taken from the others, not added."""
+    plain = _documents(tmp_path, count=20)
+    other = tmp_path / "other.txt"
+    other.write_text(_words(400))
+    config = CalibrationConfig(source=f"{plain}:0.98,{other}:0.01,{plain}:0.01", num_sequences=3, sequence_length=32)
+    calibration = build_calibration(config, tiny_tokenizer())
+    assert [p["sequences"] for p in calibration.description["mix"]] == [1, 1, 1]
+    assert calibration.description["sequences"] == 3
+    config = config.model_copy(update={"num_sequences": 10})
+    assert sum(p["sequences"] for p in build_calibration(config, tiny_tokenizer()).description["mix"]) == 10

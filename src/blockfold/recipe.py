@@ -5,8 +5,11 @@ and the calibration data. It is saved next to every output with every default re
 can be repeated, and a report rebuilt, from the output folder alone. (Where and in what precision
 a job runs is not the recipe's business: see ``runtime.Execution``.)
 
-Version 2 (this one) holds the method's settings under ``settings``; version 1 recipes (every
-field flat, unused ones included, ``criterion: null`` for "the default") are read and migrated.
+Version 3 (this one) packs calibration documents with EOS between them and a BOS (where the tokenizer
+writes one) at the start of every sequence, and ReplaceMe's ``ridge_alpha`` is per token as NBL's.
+Older recipes are read and migrated to what they ran: version 2 (settings under ``settings``) keeps
+its blank-line packing and its total ridge (divided by the recipe's tokens); version 1 (every field
+flat, unused ones included, ``criterion: null`` for "the default") goes through version 2.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from blockfold.errors import BlockfoldError
 from blockfold.schema import Strict
 from blockfold.settings import SETTINGS, MethodSettings
 
-RECIPE_VERSION = 2
+RECIPE_VERSION = 3
 
 
 class CalibrationConfig(Strict):
@@ -42,6 +45,10 @@ class CalibrationConfig(Strict):
     packing: bool | None = None
     use_chat_template: bool = True
     padding_side: Literal["right", "left"] = "right"
+    # packing: what ends a document ("eos": the tokenizer's EOS; "blank-line": recipe version 2's
+    # "\n\n" join), and whether every sequence starts as a text does (BOS where the tokenizer adds it)
+    document_separator: Literal["eos", "blank-line"] = "eos"
+    start_every_sequence: bool = True
     batch_size: int = Field(8, ge=1)
     generation_temperature: float = Field(1.0, gt=0)
     generation_top_p: float = Field(0.95, gt=0, le=1)
@@ -95,7 +102,7 @@ class Recipe(Strict):
     a flat field the method does not have is an error naming the method's own settings.
     """
 
-    recipe_version: Literal[2] = RECIPE_VERSION
+    recipe_version: Literal[3] = RECIPE_VERSION
     method: str = "replaceme"
     settings: SerializeAsAny[MethodSettings]
     calibration: CalibrationConfig = Field(default_factory=CalibrationConfig)
@@ -108,6 +115,8 @@ class Recipe(Strict):
         data = dict(data)
         if data.get("recipe_version") == 1:
             data = _migrate_v1(data)
+        if data.get("recipe_version") == 2:
+            data = _migrate_v2(data)
         method = data.get("method", "replaceme")
         if method not in SETTINGS:
             raise ValueError(f"unknown method {method!r}; choose one of {', '.join(sorted(SETTINGS))}")
@@ -169,7 +178,23 @@ def _migrate_v1(data: dict) -> dict:
             value = _V1_CRITERIA.get(method)
         if key in fields and value is not None:
             settings[key] = value
-    return {**data, "recipe_version": RECIPE_VERSION, "settings": settings}
+    return {**data, "recipe_version": 2, "settings": settings}
+
+
+def _migrate_v2(data: dict) -> dict:
+    """A version 2 recipe as version 3, running as it did: blank-line packing without a start per
+    sequence, and ReplaceMe's total ridge as a per-token one over the recipe's sequences x length
+    (exact for packed data, where every sequence is full)."""
+    calibration = dict(data.get("calibration") or {})
+    calibration.setdefault("document_separator", "blank-line")
+    calibration.setdefault("start_every_sequence", False)
+    settings = data.get("settings") or {}
+    if isinstance(settings, dict) and data.get("method", "replaceme") == "replaceme" and settings.get("ridge_alpha"):
+        defaults = CalibrationConfig.model_fields
+        tokens = (calibration.get("num_sequences", defaults["num_sequences"].default)
+                  * calibration.get("sequence_length", defaults["sequence_length"].default))
+        settings = {**settings, "ridge_alpha": settings["ridge_alpha"] / tokens}
+    return {**data, "recipe_version": RECIPE_VERSION, "calibration": calibration, "settings": settings}
 
 
 def _healing_data() -> CalibrationConfig:

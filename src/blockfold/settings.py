@@ -125,7 +125,7 @@ class ReplaceMe(SpanSelection):
     # the lstsq start); identity = plain removal
     estimator: Literal["lstsq", "diagonal", "orthogonal", "lowrank", "cosine", "identity"] = "lstsq"
     rank: int | None = Field(None, ge=1)  # lowrank: rank of the correction to the identity (default 32)
-    ridge_alpha: float = Field(0.0, ge=0)
+    ridge_alpha: float = Field(0.0, ge=0)  # L2 penalty per calibration token (as NBL's; version 2: in total)
     # blocks with a norm after the MLP (Gemma): which foldable form of the map (docs/gemma.md)
     sandwich_fold: Literal["auto", "linearized-norm", "through-norm"] = "auto"
     cosine: CosineConfig = Field(default_factory=CosineConfig)

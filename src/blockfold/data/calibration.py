@@ -1,8 +1,8 @@
 """Calibration text → token batches with attention masks.
 
-Plain corpora (``.txt``, ``.jsonl``/``.json`` with a text field) are packed: documents joined by
-blank lines, tokenised once and cut into consecutive full-length sequences, so no position is
-padding. Instruction data (Alpaca ``instruction/input/output``, Dolly ``prompt/answer``) keeps one
+Plain corpora (``.txt``, ``.jsonl``/``.json`` with a text field) are packed: documents as the
+tokenizer writes them, separated by EOS, cut into consecutive full-length sequences that each start
+as a text does (BOS for Gemma and Llama), so no position is padding and none begins mid-air. Instruction data (Alpaca ``instruction/input/output``, Dolly ``prompt/answer``) keeps one
 example per sequence, rendered through the tokenizer's chat template, padded on the configured
 side; every statistic excludes padding through the attention mask. A ``datasets`` folder written by
 ``save_to_disk`` (e.g. a benchmark split, for task-specific calibration) is read like a JSON list;
@@ -179,17 +179,40 @@ def _fingerprint(texts: list[str]) -> str:
 
 
 def _pack(texts: list[str], config: CalibrationConfig, tokenizer) -> list[torch.Tensor]:
-    ids = tokenizer("\n\n".join(texts), return_tensors="pt").input_ids[0]
+    """Documents as the tokenizer writes them (its BOS where it adds one), each followed by EOS, cut
+    into sequences of ``sequence_length`` that each begin as a text does (BOS again where the cut
+    falls inside a document). ``document_separator="blank-line"`` with ``start_every_sequence=False``
+    is version 2's packing: one text joined by blank lines, the tokenizer's start on the first only."""
     length = config.sequence_length
-    count = min(config.num_sequences, len(ids) // length)
-    if count == 0:
+    eos = tokenizer.eos_token_id
+    if config.document_separator == "eos" and eos is not None:
+        stream = [token for ids in tokenizer(texts).input_ids for token in [*ids, eos]]
+    else:
+        stream = tokenizer("\n\n".join(texts)).input_ids
+    start = _text_start(tokenizer) if config.start_every_sequence else []
+    sequences, cursor = [], 0
+    while len(sequences) < config.num_sequences:
+        head = [] if stream[cursor : cursor + len(start)] == start else start
+        end = cursor + length - len(head)
+        if end > len(stream):
+            break
+        sequences.append(torch.tensor(head + stream[cursor:end]))
+        cursor = end
+    if not sequences:
         raise BlockfoldError(
-            f"calibration text is too short: {len(ids)} tokens, need at least one sequence of {length}; "
+            f"calibration text is too short: {len(stream)} tokens, need at least one sequence of {length}; "
             "give more text or a smaller --seq-len"
         )
-    if count < config.num_sequences:
-        warnings.warn(f"calibration text yields only {count} sequences of {length} tokens", stacklevel=3)
-    return [ids[i * length : (i + 1) * length] for i in range(count)]
+    if len(sequences) < config.num_sequences:
+        warnings.warn(f"calibration text yields only {len(sequences)} sequences of {length} tokens", stacklevel=3)
+    return sequences
+
+
+def _text_start(tokenizer) -> list[int]:
+    """The special tokens the tokenizer puts before a text: ``[BOS]`` for Gemma or Llama, none for
+    SmolLM2 (whose tokenizer adds nothing)."""
+    bos = tokenizer.bos_token_id
+    return [bos] if bos is not None and tokenizer("a").input_ids[:1] == [bos] else []
 
 
 def _per_example(texts: list[str], config: CalibrationConfig, tokenizer, templated: bool) -> list[torch.Tensor]:
@@ -263,12 +286,12 @@ def _source_sequences(
 
 
 def _shares(total: int, weights: list[float]) -> list[int]:
-    """``total`` split by ``weights`` (largest remainders), at least one each."""
-    raw = [total * w for w in weights]
-    counts = [max(1, int(r)) for r in raw]
-    for index in sorted(range(len(raw)), key=lambda i: raw[i] - int(raw[i]), reverse=True):
-        if sum(counts) >= total:
-            break
+    """``total`` split by ``weights``: at least one each, largest remainders after that, summing to
+    ``total`` exactly (a source with a tiny weight must not push the mix past ``num_sequences``)."""
+    spare = total - len(weights)
+    raw = [spare * w for w in weights]
+    counts = [1 + int(r) for r in raw]
+    for index in sorted(range(len(raw)), key=lambda i: raw[i] - int(raw[i]), reverse=True)[: total - sum(counts)]:
         counts[index] += 1
     return counts
 

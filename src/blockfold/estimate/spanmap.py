@@ -17,19 +17,28 @@ def fit_span_map(
     equations: NormalEquations, estimator: str, ridge_alpha: float = 0.0, rank: int | None = None, warn: bool = True
 ) -> tuple[torch.Tensor | None, dict]:
     """The ``estimator``'s map from the normal equations (``cosine`` starts from, and here means, lstsq);
-    ``identity`` (plain removal) has no map to fold and returns None."""
+    ``identity`` (plain removal) has no map to fold and returns None.
+
+    ``ridge_alpha`` is per token, as NBL's (added to ``XᵀX / tokens``), so a value means the same
+    whatever the size of the calibration set; the info reports it per token too.
+    """
+    alpha = ridge_alpha * max(equations.tokens, 1)
     if estimator in ("lstsq", "cosine"):
-        return fit_lstsq(equations, ridge_alpha, warn)
-    if estimator == "diagonal":
-        return fit_diagonal(equations, ridge_alpha)
-    if estimator == "orthogonal":
-        return fit_orthogonal(equations)
-    if estimator == "lowrank":
+        transform, info = fit_lstsq(equations, alpha, warn)
+    elif estimator == "diagonal":
+        transform, info = fit_diagonal(equations, alpha)
+    elif estimator == "orthogonal":
+        transform, info = fit_orthogonal(equations)
+    elif estimator == "lowrank":
         if rank is None:
             raise BlockfoldError("the lowrank estimator needs a rank: pass --rank R")
-        return fit_lowrank(equations, rank, ridge_alpha)
-    if estimator == "identity":  # plain removal of the span, for comparison: nothing is folded
+        transform, info = fit_lowrank(equations, rank, alpha)
+    elif estimator == "identity":  # plain removal of the span, for comparison: nothing is folded
         error = equations.relative_error_identity()
         return None, {"estimator": "identity", "relative_fit_error": error, "relative_error_plain_removal": error,
                       "tokens": equations.tokens}
-    raise BlockfoldError(f"unknown estimator {estimator!r}: use one of {', '.join(CLOSED_FORM_ESTIMATORS)} or cosine")
+    else:
+        raise BlockfoldError(f"unknown estimator {estimator!r}: use one of {', '.join(CLOSED_FORM_ESTIMATORS)} or cosine")
+    if "ridge_alpha" in info:
+        info["ridge_alpha"] = info["ridge_alpha"] / max(equations.tokens, 1)
+    return transform, info

@@ -53,7 +53,10 @@ def next_token_nll(model: PreTrainedModel, adapter, hidden: torch.Tensor, ids: t
                    mask: torch.Tensor | None = None, normed: bool = False) -> tuple[float, int]:
     """Summed next-token negative log-likelihood of ``ids`` over real tokens, from the last block's
     hidden states (``normed``: already through the final norm), and the number of tokens scored."""
-    keep = (mask[:, 1:] if mask is not None else torch.ones_like(ids[:, 1:])).bool().to(hidden.device)
+    # a prediction counts when both the position making it and the token predicted are real: with
+    # left padding the first real token would otherwise be predicted from a pad position
+    keep = (mask[:, 1:].bool() & mask[:, :-1].bool() if mask is not None else torch.ones_like(ids[:, 1:]).bool())
+    keep = keep.to(hidden.device)
     rows = hidden[:, :-1][keep]
     if not normed:
         rows = getattr(adapter.decoder(model), adapter.final_norm_attr)(rows)

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from blockfold.estimate import fit_lstsq, fit_numerically, fit_span_map, linear_contribution, span_loss
+from blockfold.estimate import fit_numerically, fit_span_map, linear_contribution, span_loss
 from blockfold.methods.base import Job
 from blockfold.select import best_span, best_spans, by_start, span_criteria, split_budget
 from blockfold.settings import ReplaceMe
@@ -192,7 +192,7 @@ def _fit_sandwich(job: Job, start: int, length: int, equations: NormalEquations)
     z_equations = z_statistics.finalize().normal_equations[start]
     objective = "cosine" if settings.estimator == "cosine" else "mse"
 
-    post_norm_transform, info = fit_lstsq(equations, settings.ridge_alpha)
+    post_norm_transform, info = fit_span_map(equations, "lstsq", settings.ridge_alpha)
     info = {"estimator": settings.estimator, "post_norm_space_relative_error": info["relative_fit_error"],
             "relative_error_plain_removal": info["relative_error_plain_removal"], "tokens": info["tokens"]}
 
