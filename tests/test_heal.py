@@ -79,3 +79,26 @@ def test_heal_cli_saves_a_checkpoint_plain_transformers_loads(tmp_path):
     assert get_adapter(reloaded).num_layers(reloaded) == 4
     assert main(["heal", "--model", str(source), "--data", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "x")]) == 2
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("mode", ["lt", "lora"])
+def test_healing_keeps_a_linearized_norm_fold(mode):
+    """Gemma's linearized-norm fold keeps its map in a down-projection scaled by about 1e-6: healing
+    moves it in that scale (lt) or leaves it out (lora), so the norm stays linear, and the loss falls."""
+    model = tiny_model("gemma3_text")
+    result = blockfold.compress(model, tiny_tokenizer(), {"blocks": 2, "span_start": 2, "sandwich_fold": "linearized-norm"},
+                                calibration=random_calibration())
+    manifest = result.manifest
+    assert manifest["transform"]["regime"] == "linearized-norm"
+    scale = manifest["transform"]["linearized_norm"]["down_proj_scale"]
+    down_proj = get_adapter(model).down_proj(get_adapter(model).layers(model)[1]).weight
+    before = down_proj.detach().clone()
+    healed = heal(model, random_calibration(num_sequences=4, seed=5), HealConfig(mode=mode, steps=30, learning_rate=3e-3),
+                  manifest)
+    after = get_adapter(healed).down_proj(get_adapter(healed).layers(healed)[1]).weight
+    assert float((after - before).abs().max()) <= 0.1 * float(before.abs().max()) + 1e-12, \
+        "the folded map moved by a small fraction of its own size, not by the learning rate"
+    assert float(before.abs().max()) < 1e3 * scale and float(after.abs().max()) < 1e3 * scale
+    record = manifest["healing"]
+    assert record["linearized_down_proj_blocks"]["blocks"] == [1]
+    assert record["loss_last_steps"] < record["loss_first_steps"]

@@ -254,12 +254,19 @@ def test_uidl_still_selects_by_angular_distance(tokenizer):
     ({"method": "nbl", "estimator": "lstsq"}, "estimator does not apply to method 'nbl'"),
     ({"linearity_criterion": "cca"}, "linearity_criterion does not apply to method 'replaceme'"),
     ({"estimator": "diagonal", "sandwich_fold": "through-norm"}, "constraint would not hold"),
+    ({"estimator": "identity", "sandwich_fold": "linearized-norm"}, "folds none"),
     ({"calibration": {"source": "a.jsonl:0.5,b.jsonl"}}, "every part a weight"),
     ({"calibration": {"source": "a.jsonl:0,b.jsonl:1"}}, "positive"),
 ])
 def test_recipe_rejects_inconsistent_variants(recipe, message):
     with pytest.raises(BlockfoldError, match=message):
         Recipe.parse(recipe)
+
+
+def test_a_sandwich_fold_is_refused_on_blocks_without_a_post_mlp_norm(tokenizer):
+    with pytest.raises(BlockfoldError, match="llama has none"):
+        blockfold.compress(tiny_model("llama"), tokenizer, {"blocks": 1, "sandwich_fold": "through-norm"},
+                           calibration=random_calibration())
 
 
 def test_lowrank_defaults_to_rank_32_and_spans_must_fit_the_budget():

@@ -6,6 +6,12 @@ Two modes, both leaving a standard checkpoint (no new parameters):
   only the linear transform"; the manifest names them), everything else frozen;
 * ``lora``: LoRA adapters (peft) on every linear layer of the decoder blocks, merged back into the
   weights after training.
+
+A down-projection folded with ``linearized-norm`` (Gemma's sandwich blocks) holds the map scaled by
+about 1e-6, so that the post-MLP norm acts linearly on its tiny output. Plain training would move it
+by about the learning rate per step and wreck that fold; ``lt`` trains it in its own scale instead
+(the learning rate times the fold's scale: with Adam, the same as training ``W / scale``), and
+``lora`` leaves it out (an adapter's update is not small there).
 """
 
 from __future__ import annotations
@@ -39,24 +45,39 @@ def folded_blocks(manifest: dict | None) -> list[int]:
     return [block - sum(1 for r in removed if r < block) for block in original]
 
 
-def _trainable_lt(model: PreTrainedModel, blocks: list[int]) -> list[torch.nn.Parameter]:
+def linearized_scales(manifest: dict | None) -> dict[int, float]:
+    """Current index → scale of each block whose down-projection was folded with ``linearized-norm``."""
+    if not manifest or "removed_blocks" not in manifest:
+        return {}
+    removed = manifest["removed_blocks"]
+    spans = manifest.get("spans") or []
+    return {span["folded_into_block"] - sum(1 for r in removed if r < span["folded_into_block"]):
+            span["transform"]["linearized_norm"]["down_proj_scale"]
+            for span in spans if span.get("transform", {}).get("regime") == "linearized-norm"}
+
+
+def _trainable_lt(model: PreTrainedModel, blocks: list[int], scales: dict[int, float],
+                  learning_rate: float) -> list[dict]:
+    """Parameter groups: each folded down-projection, at the learning rate times its fold's scale."""
     adapter = get_adapter(model)
     model.requires_grad_(False)
-    parameters = []
+    groups = []
     for block in blocks:
         weight = adapter.down_proj(adapter.layers(model)[block]).weight
         weight.requires_grad_(True)
-        parameters.append(weight)
-    return parameters
+        groups.append({"params": [weight], "lr": learning_rate * scales.get(block, 1.0)})
+    return groups
 
 
-def _lora_targets(model: PreTrainedModel) -> list[str]:
-    """Names (suffixes) of every nn.Linear inside the decoder blocks."""
+def _lora_targets(model: PreTrainedModel, excluded_blocks: set[int]) -> list[str]:
+    """Full names of every nn.Linear inside the decoder blocks, but the linearized down-projections."""
     adapter = get_adapter(model)
-    names = set()
-    for layer in adapter.layers(model):
-        names.update(name.rsplit(".", 1)[-1] for name, module in layer.named_modules() if isinstance(module, torch.nn.Linear))
-    return sorted(names)
+    names = {module: name for name, module in model.named_modules()}
+    targets = []
+    for index, layer in enumerate(adapter.layers(model)):
+        skipped = adapter.down_proj(layer) if index in excluded_blocks else None
+        targets += [names[module] for module in layer.modules() if isinstance(module, torch.nn.Linear) and module is not skipped]
+    return targets
 
 
 def heal(model: PreTrainedModel, data: CalibrationSet, config: HealConfig, manifest: dict | None = None) -> PreTrainedModel:
@@ -64,21 +85,27 @@ def heal(model: PreTrainedModel, data: CalibrationSet, config: HealConfig, manif
     records what was done in ``manifest["healing"]`` when a manifest is given."""
     torch.manual_seed(config.seed)
     device = next(model.parameters()).device
+    scales = linearized_scales(manifest)
     if config.mode == "lt":
         blocks = folded_blocks(manifest)
-        parameters = _trainable_lt(model, blocks)
+        groups = _trainable_lt(model, blocks, scales, config.learning_rate)
         trained = model
         what = {"blocks": blocks}
     else:
         from peft import LoraConfig, get_peft_model
 
-        targets = _lora_targets(model)
+        targets = _lora_targets(model, set(scales))
         model.requires_grad_(False)
         trained = get_peft_model(model, LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=0.0,
                                                    target_modules=targets, bias="none"))
-        parameters = [p for p in trained.parameters() if p.requires_grad]
-        what = {"target_modules": targets, "lora_rank": config.lora_rank, "lora_alpha": config.lora_alpha}
-    optimizer = torch.optim.AdamW(parameters, lr=config.learning_rate, weight_decay=0.0)
+        groups = [{"params": [p for p in trained.parameters() if p.requires_grad]}]
+        what = {"target_modules": sorted({name.rsplit(".", 1)[-1] for name in targets}), "lora_rank": config.lora_rank,
+                "lora_alpha": config.lora_alpha}
+    if scales:
+        what["linearized_down_proj_blocks"] = {"blocks": sorted(scales), "handled_as": "trained in the fold's scale"
+                                               if config.mode == "lt" else "left out of the adapters"}
+    parameters = [p for group in groups for p in group["params"]]
+    optimizer = torch.optim.AdamW(groups, lr=config.learning_rate, weight_decay=0.0)
     batches = list(data)
     if not batches:
         raise BlockfoldError("healing data has no batches: give a non-empty --data")

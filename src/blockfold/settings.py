@@ -138,6 +138,9 @@ class ReplaceMe(SpanSelection):
             raise ValueError(f"rank (--rank) applies to the lowrank estimator only, not {self.estimator!r}")
         if self.greedy and (self.spans > 1 or self.span_start is not None):
             raise ValueError("greedy (--greedy) cannot be combined with spans or span_start: choose one selection")
+        if self.sandwich_fold != "auto" and self.estimator == "identity":
+            raise ValueError("sandwich_fold chooses how a map is folded, and the identity estimator folds none: "
+                             "drop --sandwich-fold or choose another estimator")
         if self.sandwich_fold == "through-norm" and self.estimator in ("diagonal", "orthogonal", "lowrank"):
             raise ValueError(f"sandwich_fold through-norm refits an unconstrained map, so the {self.estimator} "
                              "constraint would not hold: use --sandwich-fold linearized-norm or auto")

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from blockfold.estimate import fit_numerically, fit_span_map, linear_contribution, span_loss
+from blockfold.errors import BlockfoldError
 from blockfold.methods.base import Job
 from blockfold.select import best_span, best_spans, by_start, span_criteria, split_budget
 from blockfold.settings import ReplaceMe
@@ -246,6 +247,9 @@ def _replace_span(job: Job, start: int, length: int, equations: NormalEquations)
 # -- the method -------------------------------------------------------------------------------
 def compress_replaceme(job: Job) -> dict:
     settings: ReplaceMe = job.settings
+    if settings.sandwich_fold != "auto" and job.adapter.folds_exactly:
+        raise BlockfoldError(f"sandwich_fold {settings.sandwich_fold} applies to blocks with a norm after the MLP "
+                             f"(Gemma); {job.model.config.model_type} has none, so drop --sandwich-fold")
     budget = settings.num_blocks(job.num_layers)
     if settings.greedy:
         return _compress_greedy(job, budget)
