@@ -28,7 +28,7 @@ import blockfold
 from blockfold.adapters import get_adapter
 from blockfold.data import build_calibration
 from blockfold.eval import perplexity, read_eval_text, tokenize_windows
-from blockfold.heal import heal
+from blockfold.healing import heal
 from blockfold.methods.replaceme import DEFAULT_CRITERION, _measure, _replace_span, closed_form_map
 from blockfold.recipe import CalibrationConfig, HealConfig, Recipe
 from blockfold.select import SPAN_CRITERIA, best_span, span_criteria

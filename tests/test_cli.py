@@ -277,3 +277,30 @@ def test_stale_staging_folders_are_removed(capsys, tiny_folder, corpus, tmp_path
     assert main(_compress_args(tiny_folder, corpus, out, "--blocks", "1")) == 0
     assert not stale.exists() and live.exists()
     assert "interrupted run" in capsys.readouterr().err
+
+
+def test_python_api_outputs_are_as_complete_as_the_cli(capsys, tiny_folder, corpus, tmp_path):
+    """compress → save → evaluate → heal from Python: the manifest names the source (so eval and bench
+    compare against it), and each step's result matches what the CLI makes."""
+    import blockfold
+
+    recipe = blockfold.Recipe.of(blockfold.ReplaceMe(blocks=1), {"source": str(corpus), "num_sequences": 8,
+                                                                 "sequence_length": 32})
+    result = blockfold.compress(str(tiny_folder), recipe=recipe)
+    out = blockfold.save(result, tmp_path / "api")
+    manifest = json.loads((out / MANIFEST_NAME).read_text())
+    assert manifest["source_model"]["spec"] == str(tiny_folder) and manifest["source_model"]["fingerprint"]
+    evaluated = blockfold.evaluate(out, perplexity_text=corpus, sequence_length=32)
+    assert set(evaluated) == {"original", "model", "ratio"} and evaluated["original"]["spec"] == str(tiny_folder)
+    in_memory = blockfold.evaluate(result, perplexity_text=corpus, sequence_length=32)
+    assert in_memory["model"]["perplexity"] == pytest.approx(evaluated["model"]["perplexity"], rel=1e-4)
+    assert main(["eval", "--model", str(out), "--ppl", str(corpus), "--seq-len", "32"]) == 0
+    assert "ppl ratio" in capsys.readouterr().out
+    healed = blockfold.heal(out, {"steps": 2, "data": {"source": str(corpus), "num_sequences": 4, "sequence_length": 32}},
+                            perplexity_text=corpus)
+    saved = healed.save(tmp_path / "healed")
+    record = json.loads((saved / MANIFEST_NAME).read_text())
+    assert record["healing"]["mode"] == "lt" and record["source_model"]["spec"] == str(tiny_folder)
+    assert record["healing"]["perplexity"]["after"]["perplexity"] > 0
+    with pytest.raises(blockfold.BlockfoldError, match="nothing to evaluate"):
+        blockfold.evaluate(out)

@@ -2,7 +2,7 @@
 
 __version__ = "0.2.0"
 
-from blockfold.api import CompressionResult, compress, open_model  # noqa: E402
+from blockfold.api import CompressionResult, compress, evaluate, heal, open_model, save  # noqa: E402
 from blockfold.errors import BlockfoldError  # noqa: E402
 from blockfold.models import ModelHandle, load_model  # noqa: E402
 from blockfold.recipe import CalibrationConfig, Recipe  # noqa: E402
@@ -10,5 +10,5 @@ from blockfold.runtime import Execution  # noqa: E402
 from blockfold.settings import NBL, SLEB, UIDL, DropAttention, DropBlock, NBLBlock, ReplaceMe  # noqa: E402
 
 __all__ = ["NBL", "SLEB", "UIDL", "BlockfoldError", "CalibrationConfig", "CompressionResult", "DropAttention",
-           "DropBlock", "Execution", "ModelHandle", "NBLBlock", "Recipe", "ReplaceMe", "__version__", "compress",
-           "load_model", "open_model"]
+           "DropBlock", "Execution", "ModelHandle", "NBLBlock", "Recipe", "ReplaceMe", "__version__", "compress", "evaluate",
+           "heal", "load_model", "open_model", "save"]

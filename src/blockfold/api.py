@@ -1,4 +1,6 @@
-"""The one-verb Python API: ``blockfold.compress(model, recipe)``, then ``result.save(folder)``.
+"""The Python API: ``blockfold.compress(model, recipe)``, then ``result.save(folder)`` (or
+``blockfold.save``), ``blockfold.evaluate`` and ``blockfold.heal``: the same jobs as the CLI's
+commands, making the same manifests (the CLI is a thin layer over these).
 
 ``model`` is a model spec (built-in name, folder, ``.gguf`` file, hub id), a ``ModelHandle``, or a
 ``PreTrainedModel`` already in memory; ``recipe`` a ``Recipe``, a method's settings
@@ -31,9 +33,13 @@ WHOLE_MODEL_SHARE = 0.5
 
 @dataclass
 class CompressionResult:
+    """A compressed (or healed) model with its manifest and the recipe that made it."""
+
     handle: ModelHandle
     manifest: dict
-    recipe: Recipe
+    recipe: Recipe | None
+    #: what ``save`` writes without a ``save_dtype`` (None: the source checkpoint's dtype)
+    default_save_dtype: torch.dtype | None = None
 
     @property
     def model(self) -> PreTrainedModel:
@@ -46,7 +52,14 @@ class CompressionResult:
 
         dtype = DTYPES[save_dtype] if isinstance(save_dtype, str) and save_dtype != "auto" else (
             None if save_dtype in (None, "auto") else save_dtype)
-        return save_compressed(self.handle, out, self.manifest, self.recipe.to_yaml(), overwrite, dtype)
+        recipe_yaml = self.recipe.to_yaml() if self.recipe is not None else ""
+        return save_compressed(self.handle, out, self.manifest, recipe_yaml, overwrite, dtype or self.default_save_dtype)
+
+
+def save(result: CompressionResult, out: str | Path, overwrite: bool = False,
+         save_dtype: torch.dtype | str | None = None) -> Path:
+    """``result.save(out)``: the checkpoint, its manifest and its recipe, staged then renamed."""
+    return result.save(out, overwrite, save_dtype)
 
 
 def git_commit() -> str | None:
@@ -144,6 +157,7 @@ def compress(
         raise BlockfoldError("compress needs the model's tokenizer for its calibration text: pass tokenizer=")
     original_layers = handle.num_layers()
     original_parameters = count_parameters(handle.model)
+    source_fingerprint = handle.fingerprint()
     if calibration is None:
         if not handle.resident and any(name == SELF_GENERATED for name, _ in calibration_sources(recipe.calibration.source)):
             raise BlockfoldError("self-generated calibration needs the whole model to generate text, and this one runs "
@@ -173,6 +187,117 @@ def compress(
         "compress_seconds": elapsed,
         "environment": environment(),
     }
-    if handle.spec:
-        manifest["source_model"] = {"spec": handle.spec, "path": str(handle.path) if handle.path else None}
+    # what eval and bench compare against (spec None: a model built in memory has no name to reload)
+    manifest["source_model"] = {"spec": handle.spec, "path": str(handle.path) if handle.path else None,
+                                "fingerprint": source_fingerprint}
     return CompressionResult(handle, manifest, recipe)
+
+
+def evaluate(
+    model,
+    *,
+    perplexity_text: str | Path | None = None,
+    tasks: list[str] | tuple[str, ...] = (),
+    baseline: str | None = "auto",
+    execution: Execution | None = None,
+    sequence_length: int = 512,
+    max_windows: int | None = None,
+    limit: int | None = None,
+    fewshot: int = 0,
+    batch_size: int = 8,
+    task_data: str = "bundled",
+    cache: bool = True,
+) -> dict:
+    """Perplexity on ``perplexity_text`` and harness accuracy on ``tasks`` of ``model`` (a spec, a
+    folder, or a ``CompressionResult``) and of its ``baseline`` (``auto``: the source its manifest
+    names; None or ``none``: no comparison), with the ratio and relative performance. The result is
+    what ``blockfold eval --json`` writes."""
+    from blockfold.eval import perplexity, read_eval_text, tokenize_windows
+    from blockfold.models import load_model
+    from blockfold.models.sources import cache_dir
+    from blockfold.surgery import read_manifest
+
+    execution = execution or Execution()
+    tasks = list(tasks)
+    text = read_eval_text(perplexity_text) if perplexity_text is not None else None
+    if text is None and not tasks:
+        raise BlockfoldError("nothing to evaluate: give a perplexity text or tasks")
+    if tasks:
+        from blockfold.eval.tasks import cached_evaluate, relative_performance, task_configs
+
+        task_configs(tasks, task_data)  # unknown tasks and missing data fail before any model loads
+        if execution.pipeline == "sequential":
+            raise BlockfoldError("--tasks need the whole model resident (the harness runs it): drop --pipeline sequential")
+    if isinstance(model, CompressionResult):
+        manifest, candidates = model.manifest, [("model", model.handle)]
+    else:
+        manifest = read_manifest(model) if Path(model).is_dir() else None
+        candidates = [("model", str(model))]
+    if baseline == "auto":
+        baseline = ((manifest or {}).get("source_model") or {}).get("spec") or "none"
+    if baseline not in (None, "none"):
+        candidates.insert(0, ("original", baseline))
+    results: dict = {}
+    for role, spec in candidates:
+        loaded = spec if isinstance(spec, ModelHandle) else load_model(
+            spec, dtype=execution.dtype, device=execution.device, pipeline=execution.pipeline)
+        name = spec if isinstance(spec, str) else (loaded.spec or "in memory")
+        results[role] = {"spec": name, "device": str(loaded.device), "dtype": DTYPE_NAMES.get(loaded.dtype, str(loaded.dtype))}
+        if text is not None:
+            windows = tokenize_windows(text, loaded.tokenizer, sequence_length, max_windows)
+            results[role].update(perplexity(loaded, windows, description=f"perplexity ({role})"))
+        if tasks:
+            results[role]["tasks"] = cached_evaluate(
+                loaded.model, loaded.tokenizer, tasks, cache_dir() / "tasks" if cache else None, loaded.fingerprint(),
+                limit=limit, fewshot=fewshot, batch_size=batch_size, data=task_data)
+        del loaded
+    if "original" in results and text is not None:
+        results["ratio"] = results["model"]["perplexity"] / results["original"]["perplexity"]
+    if "original" in results and tasks:
+        results["relative_performance"] = relative_performance(results["model"]["tasks"], results["original"]["tasks"])
+    return results
+
+
+def heal(
+    model,
+    config=None,
+    *,
+    perplexity_text: str | Path | None = None,
+    perplexity_windows: int | None = 40,
+    execution: Execution | None = None,
+) -> CompressionResult:
+    """A few training steps on ``config.data`` (a ``HealConfig`` or dict) for ``model`` (a blockfold
+    output folder, or a ``CompressionResult``), merged back into the weights; with ``perplexity_text``,
+    the perplexity before and after goes into the manifest. ``.save(out)`` writes the checkpoint."""
+    from blockfold.data import build_calibration
+    from blockfold.eval import perplexity, read_eval_text, tokenize_windows
+    from blockfold.healing import heal as train
+    from blockfold.models import load_model
+    from blockfold.recipe import HealConfig
+    from blockfold.surgery import RECIPE_NAME, read_manifest
+
+    config = config if isinstance(config, HealConfig) else HealConfig.parse(config or {}, origin="heal settings")
+    execution = execution or Execution()
+    if isinstance(model, CompressionResult):
+        loaded, manifest, recipe = model.handle, dict(model.manifest), model.recipe
+        if not loaded.resident:
+            raise BlockfoldError("healing trains the whole model: save the compressed model first and heal the folder")
+    else:
+        folder = Path(model)
+        manifest = (read_manifest(folder) if folder.is_dir() else None) or {}
+        recipe_file = folder / RECIPE_NAME
+        recipe = Recipe.from_yaml(recipe_file) if recipe_file.is_file() else None
+        loaded = load_model(str(model), dtype=execution.dtype, device=execution.device)
+    data = build_calibration(config.data, loaded.tokenizer, loaded.model)
+    windows = None
+    if perplexity_text is not None:
+        windows = tokenize_windows(read_eval_text(perplexity_text), loaded.tokenizer, 512, perplexity_windows)
+        before = perplexity(loaded.model, windows, description="perplexity (before healing)")
+    trained = train(loaded.model, data, config, manifest)
+    if windows is not None:
+        after = perplexity(trained, windows, description="perplexity (healed)")
+        manifest["healing"]["perplexity"] = {"text": str(perplexity_text), "before": before, "after": after}
+    manifest["healing"]["environment"] = environment()
+    # the trained weights are the model's own now: saved from memory, in the source's dtype unless asked otherwise
+    healed = ModelHandle(trained, loaded.tokenizer, loaded.device, loaded.dtype, WeightStore(None), loaded.spec, loaded.path)
+    return CompressionResult(healed, manifest, recipe, default_save_dtype=loaded.source_dtype())

@@ -324,10 +324,8 @@ def cmd_compress(args) -> int:
     if ppl_text is not None:
         windows = tokenize_windows(ppl_text, handle.tokenizer, args.ppl_seq_len, args.ppl_windows)
         before = perplexity(handle, windows, description="perplexity (original)")
-    fingerprint = handle.fingerprint()
     result = compress(handle, recipe=recipe, execution=execution)
     manifest = result.manifest
-    manifest["source_model"]["fingerprint"] = fingerprint
     manifest["load_seconds"] = load_seconds
     after = None
     if ppl_text is not None:
@@ -401,54 +399,27 @@ def _candidates(selection: dict, count: int = 5) -> str:
 
 
 def cmd_eval(args) -> int:
-    from blockfold.eval import perplexity, read_eval_text, tokenize_windows
-    from blockfold.models import load_model, model_fingerprint
-    from blockfold.models.sources import cache_dir
-    from blockfold.surgery import read_manifest
+    from blockfold.api import evaluate
 
     tasks = [t for t in (args.tasks or "").split(",") if t]
     ppl_path = args.ppl if args.ppl is not None else (None if tasks else str(DEFAULT_PPL_TEXT))
-    text = read_eval_text(ppl_path) if ppl_path else None
-    if tasks:
-        from blockfold.eval.tasks import cached_evaluate, relative_performance, task_configs
-
-        task_configs(tasks, args.task_data)  # unknown tasks and missing data fail before any model loads
-    candidates = [("model", args.model)]
-    baseline = args.baseline
-    if baseline == "auto":
-        manifest = read_manifest(args.model) if Path(args.model).is_dir() else None
-        baseline = manifest["source_model"]["spec"] if manifest and "source_model" in manifest else "none"
-    if baseline != "none":
-        candidates.insert(0, ("original", baseline))
-    results = {}
-    if tasks and args.pipeline == "sequential":
-        raise BlockfoldError("--tasks need the whole model resident (the harness runs it): drop --pipeline sequential")
-    for role, spec in candidates:
-        loaded = load_model(spec, dtype=args.dtype, device=args.device, pipeline=args.pipeline)
-        results[role] = {"spec": spec, "device": str(loaded.device), "dtype": str(loaded.dtype).removeprefix("torch.")}
-        if text is not None:
-            windows = tokenize_windows(text, loaded.tokenizer, args.seq_len, args.max_windows)
-            results[role].update(perplexity(loaded, windows, description=f"perplexity ({role})"))
-        if tasks:
-            results[role]["tasks"] = cached_evaluate(
-                loaded.model, loaded.tokenizer, tasks, None if args.no_cache else cache_dir() / "tasks",
-                model_fingerprint(loaded.model), limit=args.limit, fewshot=args.fewshot, batch_size=args.batch_size,
-                data=args.task_data)
-        del loaded
+    results = evaluate(args.model, perplexity_text=ppl_path, tasks=tasks, baseline=args.baseline,
+                       execution=_execution_from_args(args),
+                       sequence_length=args.seq_len, max_windows=args.max_windows, limit=args.limit,
+                       fewshot=args.fewshot, batch_size=args.batch_size, task_data=args.task_data, cache=not args.no_cache)
     rows = []
-    for role, r in results.items():
+    for role in ("original", "model"):
+        r = results.get(role, {})
         if "perplexity" in r:
             rows.append((f"{role}: {r['spec']}", f"ppl {r['perplexity']:.2f} ({r['windows']} windows x {r['window_length']})"))
         for task, result in r.get("tasks", {}).items():
             acc, se = result["metrics"]["acc"], result["stderr"].get("acc", float("nan"))
             rows.append((f"{role}: {task}", f"acc {acc:.4f} ± {se:.4f} ({result['samples']} on {result['split']}"
                                             f"{', cached' if result.get('cached') else ''})"))
-    if "original" in results and text is not None:
-        results["ratio"] = results["model"]["perplexity"] / results["original"]["perplexity"]
+    if "ratio" in results:
         rows.append(("ppl ratio (model / original)", f"{results['ratio']:.3f}"))
-    if "original" in results and tasks:
-        rp = relative_performance(results["model"]["tasks"], results["original"]["tasks"])
-        results["relative_performance"] = rp
+    if "relative_performance" in results:
+        rp = results["relative_performance"]
         for task, value in rp["tasks"].items():
             rows.append((f"RP {task}", f"{value['rp']:.3f} ± {value['stderr']:.3f}"))
         rows.append(("RP average", f"{rp['average']['rp']:.3f} ± {rp['average']['stderr']:.3f}"))
@@ -459,13 +430,9 @@ def cmd_eval(args) -> int:
 
 
 def cmd_heal(args) -> int:
-    from blockfold.data import build_calibration
-    from blockfold.eval import perplexity, read_eval_text, tokenize_windows
-    from blockfold.heal import heal
-    from blockfold.models import ModelHandle, WeightStore, load_model
+    from blockfold.api import heal
     from blockfold.recipe import HealConfig
-    from blockfold.runtime import DTYPES
-    from blockfold.surgery import RECIPE_NAME, check_output_folder, read_manifest, save_compressed
+    from blockfold.surgery import check_output_folder
 
     config = HealConfig.parse({
         "mode": args.mode, "steps": args.steps, "learning_rate": args.lr, "lora_rank": args.lora_rank, "seed": args.seed,
@@ -474,30 +441,18 @@ def cmd_heal(args) -> int:
     }, origin="heal options")
     check_output_folder(args.out, args.overwrite)
     _check_calibration_source(config.data.source, "--data")
-    manifest = (read_manifest(args.model) if Path(args.model).is_dir() else None) or {}
-    loaded = load_model(args.model, dtype=args.dtype, device=args.device)
-    data = build_calibration(config.data, loaded.tokenizer, loaded.model)
-    windows = None
-    if args.ppl:
-        windows = tokenize_windows(read_eval_text(args.ppl), loaded.tokenizer, 512, args.ppl_windows)
-        before = perplexity(loaded.model, windows, description="perplexity (before healing)")
-    model = heal(loaded.model, data, config, manifest)
-    if windows is not None:
-        after = perplexity(model, windows, description="perplexity (healed)")
-        manifest["healing"]["perplexity"] = {"text": args.ppl, "before": before, "after": after}
-    recipe_file = Path(args.model) / RECIPE_NAME
-    recipe_yaml = recipe_file.read_text() if recipe_file.is_file() else ""
-    # the trained weights are the model's own now: saved from memory, in the source's dtype unless asked otherwise
-    healed = ModelHandle(model, loaded.tokenizer, loaded.device, loaded.dtype, WeightStore(None), args.model, loaded.path)
-    save_dtype = loaded.source_dtype() if args.save_dtype == "auto" else DTYPES[args.save_dtype]
-    out = save_compressed(healed, args.out, manifest, recipe_yaml, args.overwrite, save_dtype)
+    result = heal(args.model, config, perplexity_text=args.ppl, perplexity_windows=args.ppl_windows,
+                  execution=_execution_from_args(args))
+    out = result.save(args.out, args.overwrite, args.save_dtype)
+    manifest, handle = result.manifest, result.handle
     healing = manifest["healing"]
     rows = [("model", args.model), ("mode", f"{config.mode} ({healing['trained_parameters']:,} trained parameters)"),
             ("steps", f"{config.steps} x {config.data.batch_size} x {config.data.sequence_length} tokens, lr {config.learning_rate:g}"),
             ("training loss", f"{healing['loss_first_steps']:.3f} -> {healing['loss_last_steps']:.3f}"),
-            ("time", f"{healing['seconds']:.1f} s on {loaded.device} in {str(loaded.dtype).removeprefix('torch.')}")]
-    if windows is not None:
-        rows.append(("perplexity", f"{before['perplexity']:.2f} -> {after['perplexity']:.2f}"))
+            ("time", f"{healing['seconds']:.1f} s on {handle.device} in {str(handle.dtype).removeprefix('torch.')}")]
+    if "perplexity" in healing:
+        rows.append(("perplexity", f"{healing['perplexity']['before']['perplexity']:.2f} -> "
+                                   f"{healing['perplexity']['after']['perplexity']:.2f}"))
     rows.append(("saved", str(out)))
     _print_table(rows, "blockfold heal")
     return 0
