@@ -145,3 +145,25 @@ def test_placement_reuses_the_shared_pass_with_identical_results(tiny_and_corpus
     shared = placement_study(handle, calibration, 2, windows, cache=cache)
     assert passes == [2], "only the shared pass ran"
     assert shared == alone
+
+
+def test_placement_rows_measure_the_model_compress_builds_on_sandwich_blocks(tiny_and_corpus):
+    """On Gemma's sandwich blocks each placement row is the model compress --span-start builds (its own
+    fold), not the plain lstsq map folded into down_proj."""
+    import blockfold
+    from blockfold.data import build_calibration
+    from blockfold.eval import perplexity, tokenize_windows
+    from blockfold.recipe import CalibrationConfig
+    from blockfold.sweep import placement_study
+
+    _, corpus = tiny_and_corpus
+    model, tokenizer = tiny_model("gemma3_text"), tiny_tokenizer()
+    calibration = build_calibration(CalibrationConfig.parse({"source": str(corpus), "num_sequences": 8,
+                                                             "sequence_length": 32}), tokenizer, model)
+    windows = tokenize_windows(corpus.read_text(), tokenizer, 32, 2)
+    study = placement_study(handle_of(copy.deepcopy(model), tokenizer), calibration, 2, windows)
+    for row in study["rows"][:2]:
+        built = blockfold.compress(copy.deepcopy(model), tokenizer, {"blocks": 2, "span_start": row["start"]},
+                                   calibration=calibration)
+        assert row["regime"] == built.manifest["transform"]["regime"]
+        assert row["perplexity"] == pytest.approx(perplexity(built.model, windows)["perplexity"], rel=1e-5)

@@ -228,31 +228,36 @@ def _shared_span_pass(handle, calibration, lengths: list[int], execution: Execut
 def placement_study(handle, calibration, blocks: int, windows, eval_dtype: str = "float32",
                     execution: Execution | None = None, cache=None) -> dict:
     """With ``blocks`` fixed: every admissible start, every criterion's score, and the perplexity of
-    the model with that span replaced by its lstsq map (measured in ``eval_dtype``); Spearman ρ of
-    each criterion with log ppl."""
+    the model compress builds with that span (ReplaceMe, lstsq, ``span_start``: on sandwich blocks its
+    own fold, linearized-norm or through-norm), measured in ``eval_dtype``; Spearman ρ of each
+    criterion with log ppl."""
     from blockfold.estimate import fit_span_map
     from blockfold.methods.replaceme import measure_spans
     from blockfold.select import SPAN_CRITERIA, span_criteria
-    from blockfold.surgery import fold_into_down_proj, remove_blocks
+    from blockfold.settings import ReplaceMe
 
     if windows is None:
         raise BlockfoldError("the placement study measures perplexity: give a perplexity text")
+    from blockfold.methods import PassCache
+
     execution = execution or Execution()
+    cache = cache if cache is not None else PassCache()  # every start's compress reuses this one pass
     measured = measure_spans(_span_job(handle, calibration, execution, cache), [blocks], blocks, "fit_error_stream",
                              all_criteria=True)
     scores = span_criteria(measured.distances, measured.tables, measured.moments,
                            lambda eq: fit_span_map(eq, "lstsq", warn=False)[0])
     rows = []
-    for start, equations in sorted(measured.tables[0].normal_equations.items()):
-        candidate = handle.fresh_copy()
-        adapter = candidate.adapter
-        fold_into_down_proj(candidate, adapter.down_proj(candidate.layers()[start - 1]),
-                            fit_span_map(equations, "lstsq", warn=False)[0])
-        remove_blocks(candidate.model, adapter, list(range(start, start + blocks)))
-        measured_model = in_eval_dtype(candidate.model, eval_dtype, copy_first=False)
+    for start in sorted(measured.tables[0].normal_equations):
+        recipe = Recipe.of(ReplaceMe(blocks=blocks, span_start=start, estimator="lstsq"))
+        compressed = blockfold.compress(handle.fresh_copy(), recipe=recipe, calibration=calibration,
+                                        execution=execution, cache=cache)
+        measured_model = in_eval_dtype(compressed.model, eval_dtype, copy_first=False)
         ppl = perplexity(measured_model, windows, description=f"placement {start}")["perplexity"]
-        rows.append({"start": start, "perplexity": ppl, **{name: float(scores[name][start, blocks]) for name in SPAN_CRITERIA}})
-        del candidate, measured_model
+        row = {"start": start, "perplexity": ppl, **{name: float(scores[name][start, blocks]) for name in SPAN_CRITERIA}}
+        if "regime" in compressed.manifest["transform"]:  # sandwich blocks: the fold compress chose there
+            row["regime"] = compressed.manifest["transform"]["regime"]
+        rows.append(row)
+        del compressed, measured_model
     log_ppl = [float(np.log(r["perplexity"])) for r in rows]
     summary = {}
     for name in SPAN_CRITERIA:
