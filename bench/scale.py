@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -164,18 +163,6 @@ def big(args) -> dict:
     return run
 
 
-def provenance(command: list[str]) -> dict:
-    import torch
-    import transformers
-
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=HERE, capture_output=True, text=True).stdout.strip()
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
-    return {"command": " ".join(command), "commit": commit, "date": time.strftime("%Y-%m-%d"),
-            "machine": f"{cpu}, {os.cpu_count()} CPUs, {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB",
-            "torch": torch.__version__, "transformers": transformers.__version__}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("section", choices=["depth", "small", "tinyllama", "big"])
@@ -184,9 +171,12 @@ def main() -> None:
     args, extra = parser.parse_known_args()  # flags it does not know go to compress (tinyllama, big)
     args.extra = extra
     args.work.mkdir(parents=True, exist_ok=True)
+    from blockfold.api import provenance
+
+    started = provenance(["bench/scale.py", *sys.argv[1:]])
     result = {"depth": depth, "small": small, "tinyllama": tinyllama, "big": big}[args.section](args)
     results = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
-    results[args.section] = {**result, "provenance": provenance(["bench/scale.py", *sys.argv[1:]])}
+    results[args.section] = {**result, "provenance": started}
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(results, indent=1))
 

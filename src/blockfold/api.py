@@ -10,6 +10,7 @@ is the ``execution``'s business, not the recipe's.
 
 from __future__ import annotations
 
+import os
 import platform
 import subprocess
 import time
@@ -63,20 +64,48 @@ def save(result: CompressionResult, out: str | Path, overwrite: bool = False,
 
 
 def git_commit() -> str | None:
-    """The commit of the blockfold checkout this runs from (None when installed from a wheel)."""
+    """The commit of the blockfold checkout this runs from, ``+dirty`` when its tracked files differ
+    from it (None when installed from a wheel)."""
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True,
-                             timeout=5)
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True,
+                              timeout=5)
+        if head.returncode != 0 or not head.stdout.strip():
+            return None
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=Path(__file__).parent,
+                                 capture_output=True, text=True, timeout=5)
     except (OSError, subprocess.SubprocessError):
         return None
-    return out.stdout.strip() or None if out.returncode == 0 else None
+    return head.stdout.strip() + ("+dirty" if changed.stdout.strip() else "")
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def environment() -> dict:
+    """Where a number came from: blockfold's commit, the library versions and the machine."""
+    try:
+        memory_gib = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+    except (ValueError, OSError, AttributeError):
+        memory_gib = None
     return {"blockfold": __version__, "commit": git_commit(), "torch": torch.__version__,
             "transformers": transformers.__version__, "python": platform.python_version(),
-            "machine": platform.machine(), "threads": torch.get_num_threads(),
+            "machine": platform.machine(), "cpu": _cpu_name(), "cpus": os.cpu_count(), "memory_gib": memory_gib,
+            "threads": torch.get_num_threads(),
             "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+
+
+def provenance(command: list[str] | str) -> dict:
+    """``environment()`` with the command and the date, taken when a benchmark starts (its code is
+    what ran, whatever is committed while it runs)."""
+    return {"command": command if isinstance(command, str) else " ".join(command),
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), **environment()}
 
 
 def count_parameters(model: PreTrainedModel) -> int:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -146,7 +145,7 @@ def _run_into(config: SweepConfig, stage: Path) -> dict:
     started = time.perf_counter()
     result = {
         "format": f"blockfold-sweep/{SWEEP_VERSION}", "config": config.model_dump(mode="json"),
-        "environment": {**environment(), "cpu": _cpu_name()},
+        "environment": environment(),
         "source_model": {"spec": config.model, "fingerprint": handle.fingerprint()},
         "calibration": calibration.description, "runs": [],
     }
@@ -281,15 +280,3 @@ def spearman(a: list[float], b: list[float]) -> float:
         return ranked
 
     return float(np.corrcoef(ranks(a), ranks(b))[0, 1])
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return f"{line.split(':', 1)[1].strip()} ({os.cpu_count()} logical CPUs)"
-    except OSError:
-        pass
-    import platform
-
-    return f"{platform.processor() or platform.machine()} ({os.cpu_count()} logical CPUs)"

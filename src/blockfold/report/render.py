@@ -72,7 +72,7 @@ def _tables(sweep: dict) -> list[tuple[str, list[str], list[list[str]]]]:
     config = sweep["config"]
     tables.append(("Environment and data", ["item", "value"], [
         ["model", f"{config['model']} (fingerprint {sweep['source_model']['fingerprint']})"],
-        ["hardware", f"{env.get('cpu')}" + (f", {env['cuda']}" if env.get("cuda") else "") + f", {env.get('threads')} threads"],
+        ["hardware", f"{env.get('cpu')}" + (f" ({env['cpus']} logical CPUs)" if env.get("cpus") else "") + (f", {env['cuda']}" if env.get("cuda") else "") + f", {env.get('threads')} threads"],
         ["software", f"blockfold {env.get('blockfold')}, torch {env.get('torch')}, transformers {env.get('transformers')}, "
                      f"python {env.get('python')}"],
         ["calibration", f"{calibration.get('source')}: {calibration.get('sequences')} sequences, {calibration.get('tokens')} tokens "
