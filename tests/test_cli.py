@@ -306,3 +306,15 @@ def test_python_api_outputs_are_as_complete_as_the_cli(capsys, tiny_folder, corp
     assert record["healing"]["perplexity"]["after"]["perplexity"] > 0
     with pytest.raises(blockfold.BlockfoldError, match="nothing to evaluate"):
         blockfold.evaluate(out)
+
+
+def test_a_skip_fails_on_ci(tmp_path):
+    """Under BLOCKFOLD_CI=1 a skipped test fails (missing data, wheels or Chromium must not pass CI
+    silently); elsewhere it stays a skip."""
+    (tmp_path / "test_skipping.py").write_text("import pytest\n\ndef test_needs_data():\n    pytest.skip('data absent')\n")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent)}
+    argv = [sys.executable, "-m", "pytest", "-q", "-p", "ci_skips", "-p", "no:cacheprovider", str(tmp_path)]
+    local = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path, env={**env, "BLOCKFOLD_CI": "0"})
+    assert local.returncode == 0 and "1 skipped" in local.stdout, local.stdout
+    ci = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path, env={**env, "BLOCKFOLD_CI": "1"})
+    assert ci.returncode != 0 and "skipped on CI, where it must run: data absent" in ci.stdout, ci.stdout
