@@ -23,8 +23,10 @@ from blockfold.adapters import get_adapter
 from blockfold.data import build_calibration
 from blockfold.estimate import fit_lstsq, fit_numerically
 from blockfold.eval import perplexity, read_eval_text, tokenize_windows
-from blockfold.recipe import CalibrationConfig, CosineConfig
-from blockfold.stats import SpanSample, SpanStatistics, stream_activations
+from blockfold.pipelines import run_observers
+from blockfold.recipe import CalibrationConfig
+from blockfold.settings import CosineConfig
+from blockfold.stats import SpanSample, SpanStatistics
 from blockfold.surgery import fold_into_down_proj, remove_blocks
 
 DATA = Path(os.environ.get("BLOCKFOLD_DATA", "../shared/data"))
@@ -62,7 +64,7 @@ def main() -> None:
     statistics = SpanStatistics(adapter.num_layers(loaded.model), 0, length, starts=[start])
     train = SpanSample(start, length, 16384, calibration.num_tokens, pre_norm=False, seed=0)
     held_out = SpanSample(start, length, 8192, calibration.num_tokens, pre_norm=False, seed=1)
-    stream_activations(loaded.model, adapter, calibration, [statistics, train, held_out])
+    run_observers(loaded, calibration, [statistics, train, held_out])
     equations = statistics.finalize().normal_equations[start]
     train_rows, held_rows = train.rows(), held_out.rows()
 

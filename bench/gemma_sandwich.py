@@ -1,10 +1,13 @@
 """Folding a span's linear map into a sandwich-norm block (Gemma-3-270m), compared in one run.
 
-    .venv/bin/python bench/gemma_sandwich.py --blocks 4
+    .venv/bin/python bench/gemma_sandwich.py --blocks 4 [--placement]
 
-Rows: the original; plain removal of the selected span; the closed-form map applied *after* the
-post-feedforward norm as an extra module (the ideal linear fit, which no stock checkpoint can
-hold); and the two foldable forms blockfold chooses between (docs/gemma.md).
+The span is the one compress selects with today's defaults. Rows: the original; plain removal of
+that span; the closed-form map applied *after* the post-feedforward norm as an extra module (the
+ideal linear fit, which no stock checkpoint can hold); and the two foldable forms blockfold chooses
+between (docs/gemma.md). ``--placement`` adds every start of the same length through compress (the
+sandwich fold included) and each criterion's rank correlation with the perplexity reached: how well
+the post-norm proxy the criteria score ranks the spans the real fold replaces.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import argparse
 import copy
 import json
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -23,8 +27,9 @@ from blockfold.data import build_calibration
 from blockfold.estimate import fit_lstsq
 from blockfold.eval import perplexity, read_eval_text, tokenize_windows
 from blockfold.recipe import CalibrationConfig, Recipe
-from blockfold.select import best_span
-from blockfold.stats import SpanStatistics, stream_activations
+from blockfold.api import provenance
+from blockfold.pipelines import run_observers
+from blockfold.stats import SpanStatistics
 from blockfold.surgery import remove_blocks
 
 DATA = Path(os.environ.get("BLOCKFOLD_DATA", "../shared/data"))
@@ -46,8 +51,10 @@ def main() -> None:
     parser.add_argument("--calib", default=str(DATA / "c4_demo.jsonl"))
     parser.add_argument("--ppl", default=str(DATA / "wikitext2_test.txt"))
     parser.add_argument("--ppl-windows", type=int, default=40)
+    parser.add_argument("--placement", action="store_true", help="also every start of the same length (slow)")
     parser.add_argument("--json", default="bench/results/gemma_sandwich.json")
     args = parser.parse_args()
+    started = provenance(["bench/gemma_sandwich.py", *sys.argv[1:]])
 
     loaded = blockfold.load_model(args.model)
     adapter = get_adapter(loaded.model)
@@ -56,25 +63,29 @@ def main() -> None:
     windows = tokenize_windows(read_eval_text(args.ppl), loaded.tokenizer, 512, args.ppl_windows)
     rows = {"original": perplexity(loaded.model, windows)["perplexity"]}
 
-    # the ideal (unfoldable) map: explicit module after the post-feedforward norm
+    # the span compress selects with today's defaults, and its post-norm normal equations
     num_layers = adapter.num_layers(loaded.model)
-    statistics = SpanStatistics(num_layers, args.blocks, args.blocks)
-    stream_activations(loaded.model, adapter, calibration, [statistics])
-    table = statistics.finalize()
-    choice = best_span(table.criterion("angular_last"), args.blocks, "angular_last")
-    transform, info = fit_lstsq(table.normal_equations[choice.start])
+    default = blockfold.compress(copy.deepcopy(loaded.model), loaded.tokenizer, Recipe(blocks=args.blocks, calibration=config),
+                                 calibration=calibration)
+    blocks = default.manifest["removed_blocks"]
+    start = blocks[0]
+    statistics = SpanStatistics(num_layers, 0, args.blocks, starts=[start])
+    run_observers(loaded, calibration, [statistics])
+    transform, info = fit_lstsq(statistics.finalize().normal_equations[start])
+    # the ideal (unfoldable) map: explicit module after the post-feedforward norm
     model = copy.deepcopy(loaded.model)
-    layer = adapter.layers(model)[choice.start - 1]
+    layer = adapter.layers(model)[start - 1]
     setattr(layer, adapter.post_mlp_norm, _AfterNorm(adapter.mlp_norm(layer), transform))
-    remove_blocks(model, adapter, choice.blocks)
+    remove_blocks(model, adapter, blocks)
     rows["explicit map after the norm (not a stock checkpoint)"] = perplexity(model, windows)["perplexity"]
     errors = {"explicit map after the norm (not a stock checkpoint)": info["relative_fit_error"]}
     del model
 
     for label, recipe in [
-        ("plain removal", Recipe(blocks=args.blocks, estimator="identity", calibration=config)),
-        ("folded: through-norm", Recipe(blocks=args.blocks, sandwich_fold="through-norm", calibration=config)),
-        ("folded: linearized-norm", Recipe(blocks=args.blocks, sandwich_fold="linearized-norm", calibration=config)),
+        ("plain removal", Recipe(blocks=args.blocks, span_start=start, estimator="identity", calibration=config)),
+        ("folded: through-norm", Recipe(blocks=args.blocks, span_start=start, sandwich_fold="through-norm", calibration=config)),
+        ("folded: linearized-norm", Recipe(blocks=args.blocks, span_start=start, sandwich_fold="linearized-norm",
+                                           calibration=config)),
     ]:
         model = copy.deepcopy(loaded.model)
         result = blockfold.compress(model, loaded.tokenizer, recipe, calibration=calibration)
@@ -82,10 +93,19 @@ def main() -> None:
         errors[label] = result.manifest["transform"]["relative_fit_error"]
         print(label, rows[label], json.dumps(result.manifest["transform"].get("sample_loss_per_regime")))
         del model
-    out = {"model": args.model, "removed_blocks": choice.blocks, "perplexity": rows, "relative_fit_error": errors}
+    out = {"model": args.model, "removed_blocks": blocks, "selection": {k: default.manifest["selection"].get(k) for k in
+                                                                        ("criterion", "scored_map", "score")},
+           "auto_regime": default.manifest["transform"]["regime"], "perplexity": rows, "relative_fit_error": errors,
+           "recipe": default.recipe.model_dump(mode="json"), "calibration": calibration.description,
+           "ppl_windows": args.ppl_windows}
+    if args.placement:
+        from blockfold.sweep import placement_study
+
+        out["placement"] = placement_study(blockfold.load_model(args.model), calibration, args.blocks, windows)
+    out["provenance"] = started
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(out, indent=2))
-    print(f"\nremoved blocks {choice.blocks[0]}-{choice.blocks[-1]} of {num_layers}\n")
+    print(f"\nremoved blocks {blocks[0]}-{blocks[-1]} of {num_layers}\n")
     print("| variant | relative fit error | WikiText-2 ppl |\n|---|---|---|")
     for label, ppl in rows.items():
         error = errors.get(label)

@@ -10,6 +10,7 @@ written to $OUT/gpu_check.json (or bench/results/gpu_check.json) with the machin
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -43,6 +44,7 @@ RUNS = [("cpu", "float32", "whole"), ("cuda", "float32", "whole"), ("cuda", "bfl
 
 
 def main() -> int:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     if not torch.cuda.is_available():
         print("gpu-check: no CUDA GPU visible to torch; nothing to check")
         return 0

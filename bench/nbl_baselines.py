@@ -27,7 +27,10 @@ from blockfold.adapters import get_adapter
 from blockfold.data import build_calibration
 from blockfold.eval import perplexity, read_eval_text, tokenize_windows
 from blockfold.eval.speed import benchmark, parameter_counts
-from blockfold.methods.nbl import all_scores, drop_attention, linearize, sublayer_statistics
+from blockfold.api import as_handle
+from blockfold.methods.nbl import all_scores, drop_attention, linearize
+from blockfold.pipelines import run_observers
+from blockfold.stats import SublayerLinearity
 from blockfold.recipe import CalibrationConfig, Recipe
 from blockfold.select import lowest_scoring
 
@@ -92,7 +95,9 @@ def main() -> None:
     runs = [r for r in args.attention_runs.split(",") if r]
     if runs:
         started = time.perf_counter()
-        statistics = sublayer_statistics(original, adapter, calibration, "attention")
+        linearity = SublayerLinearity(adapter.num_layers(original), "attention")
+        run_observers(original, calibration, [linearity])
+        statistics = linearity.finalize()
         scores = all_scores(statistics)
         results["attention_statistics_seconds"] = time.perf_counter() - started
         results["attention_scores"] = scores
@@ -102,9 +107,9 @@ def main() -> None:
                 layers = sorted(lowest_scoring(scores[criterion], k))
                 model = copy.deepcopy(original)
                 if run == "drop-attn":
-                    drop_attention(model, adapter, layers)
+                    drop_attention(as_handle(model, None, None), layers)
                 else:
-                    linearize(model, adapter, statistics, layers, "attention")
+                    linearize(as_handle(model, None, None), statistics, layers, "attention")
                 results["runs"].append(measure(f"{run} k={k}", model, original, windows, args,
                                                {"method": run, "k": k, "layers": layers}))
                 save()

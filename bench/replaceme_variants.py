@@ -25,14 +25,19 @@ import time
 from pathlib import Path
 
 import blockfold
-from blockfold.adapters import get_adapter
 from blockfold.data import build_calibration
 from blockfold.eval import perplexity, read_eval_text, tokenize_windows
 from blockfold.healing import heal
-from blockfold.methods.replaceme import DEFAULT_CRITERION, _measure, _replace_span, closed_form_map
+from blockfold.api import as_handle
+from blockfold.estimate import fit_span_map
+from blockfold.methods import Job, PassCache
+from blockfold.methods.replaceme import measure_spans
+from blockfold.pipelines import Runner
+from blockfold.settings import ReplaceMe
 from blockfold.recipe import CalibrationConfig, HealConfig, Recipe
 from blockfold.select import SPAN_CRITERIA, best_span, span_criteria
 
+DEFAULT_CRITERION = ReplaceMe.model_fields["criterion"].default
 DATA = Path(os.environ.get("BLOCKFOLD_DATA", "../shared/data"))
 ESTIMATORS = ["identity", "lstsq", "diagonal", "orthogonal", "lowrank", "cosine", "cosine+l1"]
 
@@ -62,7 +67,7 @@ def main() -> None:
     args = parser.parse_args()
 
     loaded = blockfold.load_model(args.model)
-    model, tokenizer, adapter = loaded.model, loaded.tokenizer, get_adapter(loaded.model)
+    model, tokenizer = loaded.model, loaded.tokenizer
     windows = tokenize_windows(read_eval_text(args.ppl), tokenizer, 512, args.ppl_windows)
     c4 = CalibrationConfig(source=args.calib, max_documents=args.calib_docs)
     calibration = build_calibration(c4, tokenizer)
@@ -87,28 +92,30 @@ def main() -> None:
 
     groups = args.groups.split(",")
     if {"criteria", "estimators"} & set(groups):
-        distances, tables, moments = _measure(model, adapter, calibration, [n], n, True)
-        lstsq = Recipe(blocks=n)
-        scores = span_criteria(distances, tables, moments, lambda eq: closed_form_map(lstsq, eq, warn=False)[0])
+        cache = PassCache()  # one calibration pass serves every criterion's choice and every row
+        handle = as_handle(model, tokenizer, None)
+        job = Job(handle, ReplaceMe(blocks=n), calibration, Runner(handle), cache)
+        measured = measure_spans(job, [n], n, DEFAULT_CRITERION, all_criteria=True)
+        scores = span_criteria(measured.distances, measured.tables, measured.moments,
+                               lambda eq: fit_span_map(eq, "lstsq", warn=False)[0])
         choices = {name: best_span(scores[name], n, name).start for name in SPAN_CRITERIA}
         results["criteria_choices"] = choices
 
-        def replaced(recipe: Recipe, start: int) -> tuple:
+        def replaced(recipe: Recipe) -> tuple:
             candidate = copy.deepcopy(model)
             started = time.perf_counter()
-            info = _replace_span(candidate, adapter, recipe, calibration, start, n, tables[0].normal_equations[start])
-            return candidate, {"removed_blocks": list(range(start, start + n)),
-                               "spans": [{"blocks": list(range(start, start + n)), "transform": info}]}, time.perf_counter() - started
+            result = blockfold.compress(candidate, tokenizer, recipe, calibration=calibration, cache=cache)
+            return candidate, result.manifest, time.perf_counter() - started
 
         if "criteria" in groups:
             for name in SPAN_CRITERIA:
-                record("criteria", name, *replaced(lstsq, choices[name]))
+                record("criteria", name, *replaced(Recipe(blocks=n, span_start=choices[name])))
         if "estimators" in groups:
             start = choices[DEFAULT_CRITERION]
             for name in args.estimators.split(","):
                 for l1 in ([float(x) for x in args.l1.split(",")] if name == "cosine+l1" else [0.0]):
                     label = f"{name} (λ={l1:g})" if name == "cosine+l1" else name
-                    record("estimators", label, *replaced(_estimator_recipe(name, n, start, l1), start))
+                    record("estimators", label, *replaced(_estimator_recipe(name, n, start, l1)))
 
     def compressed(group: str, name: str, recipe: dict, calib=calibration) -> None:
         candidate = copy.deepcopy(model)

@@ -27,7 +27,8 @@ from blockfold.estimate import fit_span_map, solve_normal_equations
 from blockfold.eval import perplexity, read_eval_text, tokenize_windows
 from blockfold.recipe import CalibrationConfig
 from blockfold.select import SPAN_CRITERIA, span_criteria
-from blockfold.stats import SpanStatistics, stream_activations
+from blockfold.pipelines import run_observers
+from blockfold.stats import SpanStatistics
 from blockfold.stats.similarity import StreamSimilarity
 from blockfold.surgery import fold_into_down_proj, remove_blocks
 from blockfold.sweep import spearman
@@ -54,7 +55,7 @@ def main() -> None:
     windows = tokenize_windows(read_eval_text(args.ppl), loaded.tokenizer, 512, args.ppl_windows)
     statistics, similarity = SpanStatistics(num_layers, n, n), StreamSimilarity(num_layers, [n])
     started = time.perf_counter()
-    stream_activations(model, adapter, calibration, [statistics, similarity])
+    run_observers(loaded, calibration, [statistics, similarity])
     pass_seconds = time.perf_counter() - started
     table = statistics.finalize()
     scores = span_criteria(table, similarity.finalize(), lambda eq: fit_span_map(eq, "lstsq", warn=False)[0])

@@ -104,4 +104,15 @@ class Runner:
         return int(free * STATS_SHARE)
 
 
-__all__ = ["LayerProgram", "Runner", "chunks_of", "run_sequential", "run_whole"]
+def run_observers(model, calibration: Iterable[Batch], observers: list[Observer], execution: Execution | None = None,
+                  description: str = "calibration pass") -> Runner:
+    """One pass of ``calibration`` feeding ``observers``, for a ``ModelHandle`` or a model in memory,
+    through whichever pipeline fits (benchmarks and studies that need raw statistics use this)."""
+    from blockfold.api import as_handle
+
+    runner = Runner(as_handle(model, None, execution), execution)
+    runner.run(calibration, observers, description)
+    return runner
+
+
+__all__ = ["LayerProgram", "Runner", "chunks_of", "run_observers", "run_sequential", "run_whole"]
