@@ -50,6 +50,8 @@ def test_sweep_records_every_run(run_dir):
     for run in sweep["runs"]:
         assert run["parameters"]["parameters"] < sweep["original"]["parameters"]["parameters"]
         assert run["perplexity"] > 0 and run["speed"]["speedup"] > 0
+        low, high = run["speed"]["speedup_range"]
+        assert low <= run["speed"]["speedup"] <= high and run["speed"]["within_noise"] == (low <= 1 <= high)
         assert run["compress_kg_co2eq"] >= 0 and run["eval_kg_co2eq"] >= 0
         if sweep["config"]["tasks"]:
             assert set(run["relative_performance"]["tasks"]) <= {"piqa"}
@@ -119,6 +121,15 @@ def test_spearman_handles_ties():
     assert spearman([1, 2, 3], [10, 20, 30]) == pytest.approx(1.0)
     assert spearman([1, 2, 3], [3, 2, 1]) == pytest.approx(-1.0)
     assert spearman([1, 1, 2], [5, 5, 9]) == pytest.approx(1.0)
+
+
+def test_a_speedup_inside_the_noise_says_so():
+    from blockfold.report.render import speedup_label
+
+    noisy = {"speedup": 1.03, "speedup_range": [0.91, 1.12], "within_noise": True}
+    clear = {"speedup": 1.21, "speedup_range": [1.15, 1.27], "within_noise": False}
+    assert speedup_label(noisy) == "x1.03 (0.91-1.12, inside the noise)"
+    assert speedup_label(clear) == "x1.21 (1.15-1.27)"
 
 
 def test_placement_reuses_the_shared_pass_with_identical_results(tiny_and_corpus, monkeypatch):

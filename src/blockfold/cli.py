@@ -491,6 +491,7 @@ def cmd_analyze(args) -> int:
 
 
 def cmd_sweep(args) -> int:
+    from blockfold.report.render import speedup_label
     from blockfold.sweep import SweepConfig, run_sweep
 
     try:
@@ -516,7 +517,7 @@ def cmd_sweep(args) -> int:
         rows.append((f"{run['method']} {run['budget']}",
                      f"ppl {run.get('perplexity', float('nan')):.2f}, {run['parameters']['parameters'] / 1e6:.1f}M parameters"
                      + (f", RP {rp['rp']:.3f} ± {rp['stderr']:.3f}" if rp else "")
-                     + f", prefill x{run['speed']['speedup']:.2f}" + (f", saved {args.out}/{run['checkpoint']}" if run.get("checkpoint") else "")))
+                     + f", prefill {speedup_label(run['speed'])}" + (f", saved {args.out}/{run['checkpoint']}" if run.get("checkpoint") else "")))
     rows.append(("time", f"{result['seconds'] / 60:.1f} min"))
     rows.append(("saved", f"{args.out}/sweep.json (next: blockfold report {args.out})"))
     _print_table(rows, f"blockfold sweep: {args.model}")

@@ -102,8 +102,10 @@ def _measure_model(model, tokenizer, config: SweepConfig, windows, fingerprint_c
 
 
 def _prefill_speedup(original, compressed, length: int, repeats: int = 5) -> dict:
-    """Tokens/s of both, interleaved after one untimed call each, median of ``repeats`` (a ratio
-    from one run, not a benchmark: with 3 cold repeats a 2-of-30-block model once measured 0.97x)."""
+    """Tokens/s of both, interleaved after one untimed call each: the median of ``repeats`` and the
+    range of the per-pair ratios, so a speed-up on a noisy machine says when it is inside the noise
+    (``within_noise``: the pairs disagree on which model is faster). A ratio from one run, not a
+    benchmark: with 3 cold repeats a 2-of-30-block model once measured 0.97x."""
     for model in (original, compressed):
         prefill_seconds(model, length)
     times = {"original": [], "compressed": []}
@@ -111,8 +113,10 @@ def _prefill_speedup(original, compressed, length: int, repeats: int = 5) -> dic
         for name, model in (("original", original), ("compressed", compressed)):
             times[name].append(prefill_seconds(model, length))
     original_s, compressed_s = (float(np.median(times[k])) for k in ("original", "compressed"))
-    return {"length": length, "original_tokens_per_s": length / original_s,
-            "tokens_per_s": length / compressed_s, "speedup": original_s / compressed_s}
+    pairs = [o / c for o, c in zip(times["original"], times["compressed"])]
+    return {"length": length, "original_tokens_per_s": length / original_s, "tokens_per_s": length / compressed_s,
+            "speedup": original_s / compressed_s, "pair_speedups": pairs,
+            "speedup_range": [min(pairs), max(pairs)], "within_noise": min(pairs) <= 1.0 <= max(pairs)}
 
 
 def run_sweep(config: SweepConfig, out: Path, overwrite: bool = False) -> dict:

@@ -27,6 +27,14 @@ def _fmt(value, spec: str = ".2f") -> str:
     return format(value, spec)
 
 
+def speedup_label(speed: dict) -> str:
+    """``x1.21 (1.15-1.27)``, with ``inside the noise`` when the pairs disagree about the sign."""
+    if "speedup_range" not in speed:  # sweeps from before the range was recorded
+        return f"x{speed['speedup']:.2f}"
+    low, high = speed["speedup_range"]
+    return f"x{speed['speedup']:.2f} ({low:.2f}-{high:.2f}{', inside the noise' if speed['within_noise'] else ''})"
+
+
 def _budget_label(run: dict) -> str:
     return f"{run['budget']} {'attention layers' if run['budget_kind'] == 'attention_layers' else 'blocks'}"
 
@@ -40,7 +48,8 @@ def _removed(run: dict) -> str:
 def _tables(sweep: dict) -> list[tuple[str, list[str], list[list[str]]]]:
     tasks = sweep["config"]["tasks"]
     original = sweep["original"]
-    head = ["method", "budget", "removed", "parameters (M)", "ppl"] + tasks + ["avg acc", "RP ± se", "prefill speed-up",
+    head = ["method", "budget", "removed", "parameters (M)", "ppl"] + tasks + ["avg acc", "RP ± se",
+                                                                             "prefill speed-up (range of 5 pairs)",
                                                                              "CO₂eq compress / eval (g)"]
     rows = [["original", "-", "-", _fmt(original["parameters"]["parameters"] / 1e6, ".1f"), _fmt(original.get("perplexity"))]
             + [_fmt(original["tasks"][t]["metrics"].get("acc"), ".3f") for t in tasks]
@@ -52,7 +61,7 @@ def _tables(sweep: dict) -> list[tuple[str, list[str], list[list[str]]]]:
                     + [_fmt(run["tasks"][t]["metrics"].get("acc"), ".3f") for t in tasks]
                     + [_fmt(run.get("average_accuracy"), ".3f"),
                        f"{rp['rp']:.3f} ± {rp['stderr']:.3f}" if rp else "-",
-                       _fmt(run["speed"]["speedup"], ".2f"),
+                       speedup_label(run["speed"]),
                        f"{_fmt(run['compress_kg_co2eq'] * 1e3, '.3f')} / {_fmt(run['eval_kg_co2eq'] * 1e3, '.3f')}"])
     tables = [("Results", head, rows)]
     placement = sweep.get("placement")
