@@ -28,14 +28,18 @@ HERE = Path(__file__).resolve().parent
 DATA = Path(os.environ.get("BLOCKFOLD_DATA", HERE.parent.parent / "shared" / "data"))
 RESULTS = HERE / "results" / "scale.json"
 
-#: runs blockfold's CLI and reports the process's peak RSS and wall time on its last line
+#: runs blockfold's CLI and reports the process's peak RSS and wall time on its last line. The peak is
+#: the kernel's high-water mark of this process's own memory (VmHWM), not ru_maxrss: Linux carries
+#: ru_maxrss across exec from the forked copy of the parent, so a benchmark process that had just
+#: built a 1.4 GB model reported that as every child's peak
 RUNNER = r"""
-import json, resource, sys, time
+import json, sys, time
 from blockfold.cli import main
 started = time.perf_counter()
 code = main(sys.argv[1:])
-print(json.dumps({"code": code, "seconds": time.perf_counter() - started,
-                  "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+status = open("/proc/self/status").read()
+peak_kib = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:"))
+print(json.dumps({"code": code, "seconds": time.perf_counter() - started, "peak_rss_mib": peak_kib / 1024}))
 """
 
 
