@@ -1,5 +1,5 @@
-"""Speed, memory and size of a model next to another: prefill and decode throughput, peak memory,
-KV-cache bytes, parameter count and sparsity.
+"""Speed, memory and size of a model next to another: prefill and decode throughput, peak prefill
+memory (on CUDA), KV-cache bytes, parameter count and sparsity.
 
 Timings on shared machines are noisy, so models are measured in one run, interleaved (A, B, A, B, ...)
 after a warm-up, and the median of several repetitions is kept; compare models by the ratios.
@@ -9,13 +9,9 @@ from __future__ import annotations
 
 import statistics
 import time
-from pathlib import Path
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
-
-PROC_STATUS = Path("/proc/self/status")
-
 
 def parameter_counts(model: PreTrainedModel) -> dict[str, int]:
     """All parameters, and those outside the token embeddings and LM head (each tensor counted once)."""
@@ -77,38 +73,16 @@ def decode_seconds(model: PreTrainedModel, prompt_length: int, new_tokens: int) 
     return time.perf_counter() - started
 
 
-def reset_peak_memory(model: PreTrainedModel) -> float:
-    """Start a new peak-memory window on the model's device; returns the current level in MiB
-    (CUDA: allocated memory; CPU: the process's resident set)."""
-    if next(model.parameters()).is_cuda:
-        torch.cuda.reset_peak_memory_stats()
-        return torch.cuda.memory_allocated() / 2**20
-    Path("/proc/self/clear_refs").write_text("5")  # Linux: reset the RSS high-water mark
-    return _status_mib("VmRSS")
-
-
-def peak_memory(model: PreTrainedModel) -> float:
-    """The highest level in MiB since ``reset_peak_memory``."""
-    if next(model.parameters()).is_cuda:
-        return torch.cuda.max_memory_allocated() / 2**20
-    return _status_mib("VmHWM")
-
-
-def _status_mib(field: str) -> float:
-    for line in PROC_STATUS.read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError(f"{field} not in {PROC_STATUS}")
-
-
 def peak_prefill_memory_mib(model: PreTrainedModel, length: int) -> float | None:
-    """Memory a prefill of ``length`` tokens needs above what was resident before it (weights
-    included in neither); None where the platform cannot tell (no CUDA, no /proc)."""
-    if not next(model.parameters()).is_cuda and not PROC_STATUS.exists():
+    """Memory a prefill of ``length`` tokens allocates above what was allocated before it, on CUDA
+    (the caching allocator's counters); None on a CPU, where no counter tells: the growth of the
+    resident set read 0.0 whenever glibc served the prefill from memory an earlier call had freed."""
+    if not next(model.parameters()).is_cuda:
         return None
-    before = reset_peak_memory(model)
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
     prefill_seconds(model, length)
-    return peak_memory(model) - before
+    return (torch.cuda.max_memory_allocated() - before) / 2**20
 
 
 def benchmark(models: dict[str, PreTrainedModel], lengths: tuple[int, ...] = (256, 1024, 2048),
