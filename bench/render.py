@@ -125,11 +125,36 @@ def render_healing(results: dict) -> str:
     return "\n".join(lines + ["", _provenance_line(results["provenance"])])
 
 
+def render_gemma(results: dict) -> str:
+    """Issue #12: the sandwich folds on Gemma-3-270m with today's defaults, and how well the criteria's
+    post-norm proxy ranks the spans the real fold replaces."""
+    blocks = results["removed_blocks"]
+    lines = [f"Selected span: blocks {_span(blocks)} (criterion `{results['selection']['criterion']}`, which scores "
+             f"{results['selection'].get('scored_map') or 'the folded map'}); `auto` chose `{results['auto_regime']}`.", "",
+             "| variant | relative fit error | WikiText-2 ppl |", "|---|---|---|"]
+    errors = results["relative_fit_error"]
+    for label, ppl in results["perplexity"].items():
+        error = errors.get(label)
+        lines.append(f"| {label} | {'-' if error is None else f'{error:.4f}'} | {ppl:.2f} |")
+    placement = results.get("placement")
+    if placement:
+        lines += ["", f"Every start for {placement['blocks']} blocks, each through `compress --span-start` (its own "
+                  "sandwich fold), against each criterion's score:", "",
+                  "| criterion | Spearman ρ with log ppl | picks start | its ppl |", "|---|---|---|---|"]
+        for name, value in placement["criteria"].items():
+            lines.append(f"| {name} | {value['spearman_with_log_ppl']:.3f} | {value['choice']} | "
+                         f"{value['choice_perplexity']:.2f} |")
+        best = placement["best"]
+        lines.append(f"| (best start) | - | {best['start']} | {best['perplexity']:.2f} |")
+    return "\n".join(lines + ["", _provenance_line(results["provenance"])])
+
+
 #: section name → (results file, renderer); a section renders only where BENCHMARKS.md has its markers
 SECTIONS: dict[str, tuple[str, Callable[[dict], str]]] = {
     "scale": ("scale.json", render_scale),
     "packing": ("calibration_packing.json", render_packing),
     "healing": ("healing.json", render_healing),
+    "gemma": ("gemma_sandwich.json", render_gemma),
 }
 
 

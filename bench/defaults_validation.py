@@ -1,0 +1,128 @@
+"""Defaults validated on data they were not chosen on (issue #12).
+
+The default span criterion and NBL's default ranking were chosen on the first 40 WikiText-2 windows.
+This measures every candidate on those windows and on held-out text: later WikiText-2 windows, C4
+documents the calibration never saw, and LAMBADA passages, on SmolLM2-135M and Gemma-3-270m.
+
+    .venv/bin/python bench/defaults_validation.py                       # both models, both studies
+    .venv/bin/python bench/defaults_validation.py --models smollm2-135m:8:4 --studies span
+
+Spans: one calibration pass scores every criterion; each distinct choice is compressed once
+(``compress --span-start``) and measured on every text. NBL: one compression per linearity
+criterion at the same number of attention layers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+from pathlib import Path
+
+import blockfold
+from blockfold.api import as_handle, provenance
+from blockfold.data import build_calibration
+from blockfold.estimate import fit_span_map
+from blockfold.eval import perplexity, tokenize_windows
+from blockfold.methods import Job, PassCache
+from blockfold.methods.replaceme import measure_spans
+from blockfold.pipelines import Runner
+from blockfold.recipe import CalibrationConfig, Recipe
+from blockfold.select import LINEARITY_CRITERIA, SPAN_CRITERIA, best_span, span_criteria
+from blockfold.settings import NBL, ReplaceMe
+
+DATA = Path(os.environ.get("BLOCKFOLD_DATA", "../shared/data"))
+CALIBRATION_DOCUMENTS = 128  # c4_demo documents 0-127 calibrate; 200-299 are held out
+
+
+def evaluation_texts(tokenizer, windows: int) -> dict:
+    """Name → token windows of 512: the data the defaults were chosen on, then three held-out sets."""
+    wikitext = tokenize_windows((DATA / "wikitext2_test.txt").read_text(encoding="utf-8"), tokenizer, 512, None)
+    c4 = [json.loads(line)["text"] for line in (DATA / "c4_demo.jsonl").read_text(encoding="utf-8").splitlines()[200:]]
+    lambada = [json.loads(line)["text"] for line in (DATA / "lambada_test.jsonl").read_text(encoding="utf-8").splitlines()]
+    return {
+        "WikiText-2 windows 0-39 (chosen on)": wikitext[:40],
+        f"WikiText-2 windows 40-{39 + windows} (held out)": wikitext[40 : 40 + windows],
+        "C4 documents 200-299 (held out)": tokenize_windows("\n\n".join(c4), tokenizer, 512, windows),
+        "LAMBADA passages (held out)": tokenize_windows("\n\n".join(lambada), tokenizer, 512, windows),
+    }
+
+
+def measure(model, texts: dict, label: str) -> dict:
+    return {name: perplexity(model, windows, description=f"{label}: {name[:12]}")["perplexity"]
+            for name, windows in texts.items()}
+
+
+def span_study(loaded, blocks: int, calibration, texts: dict) -> dict:
+    cache = PassCache()
+    handle = as_handle(copy.deepcopy(loaded.model), loaded.tokenizer, None)
+    job = Job(handle, ReplaceMe(blocks=blocks), calibration, Runner(handle), cache)
+    measured = measure_spans(job, [blocks], blocks, ReplaceMe.model_fields["criterion"].default, all_criteria=True)
+    scores = span_criteria(measured.distances, measured.tables, measured.moments,
+                           lambda eq: fit_span_map(eq, "lstsq", warn=False)[0])
+    choices = {name: best_span(scores[name], blocks, name).start for name in SPAN_CRITERIA}
+    by_start = {}
+    for start in sorted(set(choices.values())):
+        result = blockfold.compress(as_handle(copy.deepcopy(loaded.model), loaded.tokenizer, None),
+                                    recipe=Recipe(blocks=blocks, span_start=start), calibration=calibration, cache=cache)
+        by_start[start] = measure(result.model, texts, f"span {start}")
+        print(json.dumps({"start": start, **by_start[start]}), flush=True)
+    return {"default": ReplaceMe.model_fields["criterion"].default,
+            "rows": [{"candidate": name, "start": start, "perplexity": by_start[start]} for name, start in choices.items()]}
+
+
+def nbl_study(loaded, layers: int, calibration, texts: dict) -> dict:
+    rows = []
+    for criterion in LINEARITY_CRITERIA:
+        result = blockfold.compress(copy.deepcopy(loaded.model), loaded.tokenizer,
+                                    Recipe.of(NBL(attention_layers=layers, linearity_criterion=criterion)),
+                                    calibration=calibration)
+        rows.append({"candidate": criterion, "layers": result.manifest["replaced"]["layers"],
+                     "perplexity": measure(result.model, texts, f"nbl {criterion}")})
+        print(json.dumps(rows[-1]), flush=True)
+    return {"default": NBL.model_fields["linearity_criterion"].default, "rows": rows}
+
+
+def verdict(study: dict) -> dict:
+    """Per text: the best candidate, and the default's perplexity over the best's."""
+    out = {}
+    for text in study["rows"][0]["perplexity"]:
+        best = min(study["rows"], key=lambda row: row["perplexity"][text])
+        default = next(row for row in study["rows"] if row["candidate"] == study["default"])
+        out[text] = {"best": best["candidate"], "default_over_best": default["perplexity"][text] / best["perplexity"][text]}
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="smollm2-135m:8:8,gemma3-270m:4:4",
+                        help="model:blocks:attention layers, comma-separated")
+    parser.add_argument("--studies", default="span,nbl")
+    parser.add_argument("--windows", type=int, default=40, help="windows of 512 tokens per held-out text")
+    parser.add_argument("--json", default="bench/results/defaults_validation.json")
+    args = parser.parse_args()
+    started = provenance(["bench/defaults_validation.py", *sys.argv[1:]])
+    results = {"models": {}, "provenance": started}
+    for item in args.models.split(","):
+        spec, blocks, layers = item.split(":")
+        loaded = blockfold.load_model(spec)
+        config = CalibrationConfig(source=str(DATA / "c4_demo.jsonl"), max_documents=CALIBRATION_DOCUMENTS)
+        calibration = build_calibration(config, loaded.tokenizer)
+        texts = evaluation_texts(loaded.tokenizer, args.windows)
+        model_results = {"original": measure(loaded.model, texts, "original"), "calibration": calibration.description}
+        studies = args.studies.split(",")
+        if "span" in studies:
+            model_results["span"] = span_study(loaded, int(blocks), calibration, texts)
+            model_results["span"]["verdict"] = verdict(model_results["span"])
+        if "nbl" in studies:
+            model_results["nbl"] = nbl_study(loaded, int(layers), calibration, texts)
+            model_results["nbl"]["verdict"] = verdict(model_results["nbl"])
+        results["models"][spec] = model_results
+        Path(args.json).write_text(json.dumps(results, indent=1))
+        del loaded
+
+
+if __name__ == "__main__":
+    main()
