@@ -27,7 +27,8 @@ def _mib(value: float) -> str:
 
 
 def _provenance_line(provenance: dict) -> str:
-    commit = (provenance.get("commit") or "unknown")[:12]
+    commit = provenance.get("commit") or "unknown"
+    commit = commit.split("+")[0][:12] + ("+dirty" if commit.endswith("+dirty") else "")
     machine = provenance.get("machine", "")
     if "cpu" in provenance:  # blockfold.api.provenance
         machine = f"{provenance['cpu']}, {provenance.get('cpus')} CPUs, {provenance.get('memory_gib')} GiB"
