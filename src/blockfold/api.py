@@ -178,6 +178,7 @@ def compress(
     """
     from blockfold.methods import METHODS, Job
     from blockfold.pipelines import Runner
+
     recipe = as_recipe(recipe)
     execution = execution or Execution()
     handle = as_handle(model, tokenizer, execution)

@@ -42,18 +42,21 @@ def folded_blocks(manifest: dict | None) -> list[int]:
     original = sorted({span["folded_into_block"] for span in spans if span.get("transform", {}).get("estimator") != "identity"})
     if not original:
         raise BlockfoldError("this model's spans were removed without a map (identity estimator): use --mode lora")
-    return [block - sum(1 for r in removed if r < block) for block in original]
+    return [_current_index(block, removed) for block in original]
+
+
+def _current_index(block: int, removed: list[int]) -> int:
+    """A kept block's index after the ``removed`` ones (original numbering) are gone."""
+    return block - sum(1 for r in removed if r < block)
 
 
 def linearized_scales(manifest: dict | None) -> dict[int, float]:
     """Current index → scale of each block whose down-projection was folded with ``linearized-norm``."""
     if not manifest or "removed_blocks" not in manifest:
         return {}
-    removed = manifest["removed_blocks"]
-    spans = manifest.get("spans") or []
-    return {span["folded_into_block"] - sum(1 for r in removed if r < span["folded_into_block"]):
+    return {_current_index(span["folded_into_block"], manifest["removed_blocks"]):
             span["transform"]["linearized_norm"]["down_proj_scale"]
-            for span in spans if span.get("transform", {}).get("regime") == "linearized-norm"}
+            for span in manifest.get("spans") or [] if span.get("transform", {}).get("regime") == "linearized-norm"}
 
 
 def _trainable_lt(model: PreTrainedModel, blocks: list[int], scales: dict[int, float],

@@ -235,14 +235,13 @@ def placement_study(handle, calibration, blocks: int, windows, eval_dtype: str =
     own fold, linearized-norm or through-norm), measured in ``eval_dtype``; Spearman ρ of each
     criterion with log ppl."""
     from blockfold.estimate import fit_span_map
+    from blockfold.methods import PassCache
     from blockfold.methods.replaceme import measure_spans
     from blockfold.select import SPAN_CRITERIA, span_criteria
     from blockfold.settings import ReplaceMe
 
     if windows is None:
         raise BlockfoldError("the placement study measures perplexity: give a perplexity text")
-    from blockfold.methods import PassCache
-
     execution = execution or Execution()
     cache = cache if cache is not None else PassCache()  # every start's compress reuses this one pass
     measured = measure_spans(_span_job(handle, calibration, execution, cache), [blocks], blocks, "fit_error_stream",

@@ -13,6 +13,7 @@ import time
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+
 def parameter_counts(model: PreTrainedModel) -> dict[str, int]:
     """All parameters, and those outside the token embeddings and LM head (each tensor counted once)."""
     outside = {id(p) for module in (model.get_input_embeddings(), model.get_output_embeddings()) if module is not None

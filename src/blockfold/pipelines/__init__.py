@@ -81,9 +81,7 @@ class Runner:
             budget = int((free - sums - self.handle.weight_bytes()["per_layer"]) * ACTIVATION_SHARE[device.type])
         else:
             budget = CPU_ACTIVATION_BYTES
-        length = max(batch.input_ids.shape[1] for batch in batches)
-        total = sum(len(batch.input_ids) for batch in batches)
-        return sequences_for_budget(budget, self.activation_bytes_per_token(observers), length, total)
+        return self._sequences_within(budget, batches, observers)
 
     def sequences_per_group(self, batches: list[Batch], observers: list[Observer]) -> int | None:
         """The whole pipeline's largest forward: batches as given on an accelerator, split on a CPU so
@@ -92,9 +90,13 @@ class Runner:
             return self.execution.chunk_sequences
         if self.handle.device.type != "cpu":
             return None
+        return self._sequences_within(CPU_WHOLE_GROUP_BYTES, batches, observers)
+
+    def _sequences_within(self, budget: int, batches: list[Batch], observers: list[Observer]) -> int:
+        """The most whole sequences of ``batches`` whose working memory fits ``budget`` bytes."""
         length = max(batch.input_ids.shape[1] for batch in batches)
         total = sum(len(batch.input_ids) for batch in batches)
-        return sequences_for_budget(CPU_WHOLE_GROUP_BYTES, self.activation_bytes_per_token(observers), length, total)
+        return sequences_for_budget(budget, self.activation_bytes_per_token(observers), length, total)
 
     def stats_budget(self) -> int:
         """Bytes the float64 sums may take: ``--stats-memory``, else a share of the free memory of the device."""
