@@ -14,12 +14,14 @@ import argparse
 import copy
 import json
 import os
+import sys
 from pathlib import Path
 
 import torch
 
 import blockfold
 from blockfold.adapters import get_adapter
+from blockfold.api import provenance
 from blockfold.data import build_calibration
 from blockfold.estimate import fit_lstsq, fit_numerically
 from blockfold.eval import perplexity, read_eval_text, tokenize_windows
@@ -55,6 +57,7 @@ def main() -> None:
     parser.add_argument("--ppl-windows", type=int, default=40)
     parser.add_argument("--json", default="bench/results/cosine_vs_lstsq.json")
     args = parser.parse_args()
+    started = provenance(["bench/cosine_vs_lstsq.py", *sys.argv[1:]])
 
     loaded = blockfold.load_model(args.model)
     adapter = get_adapter(loaded.model)
@@ -82,7 +85,7 @@ def main() -> None:
         print(label, json.dumps(results[label]))
         del model
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(results, indent=2))
+    Path(args.json).write_text(json.dumps({**results, "provenance": started}, indent=2))
     print("\n| map | cosine dist. (held-out) | rel. sq. error (held-out) | norm ratio, median | norm ratio, top-1% tokens | ppl |")
     print("|---|---|---|---|---|---|")
     for label, r in results.items():

@@ -69,7 +69,7 @@ def span_study(loaded, blocks: int, calibration, texts: dict) -> dict:
                                     recipe=Recipe(blocks=blocks, span_start=start), calibration=calibration, cache=cache)
         by_start[start] = measure(result.model, texts, f"span {start}")
         print(json.dumps({"start": start, **by_start[start]}), flush=True)
-    return {"default": ReplaceMe.model_fields["criterion"].default,
+    return {"default": ReplaceMe.model_fields["criterion"].default, "blocks": blocks,
             "rows": [{"candidate": name, "start": start, "perplexity": by_start[start]} for name, start in choices.items()]}
 
 

@@ -23,12 +23,12 @@ import torch
 
 import blockfold
 from blockfold.adapters import get_adapter
+from blockfold.api import provenance
 from blockfold.data import build_calibration
 from blockfold.estimate import fit_lstsq
 from blockfold.eval import perplexity, read_eval_text, tokenize_windows
-from blockfold.recipe import CalibrationConfig, Recipe
-from blockfold.api import provenance
 from blockfold.pipelines import run_observers
+from blockfold.recipe import CalibrationConfig, Recipe
 from blockfold.stats import SpanStatistics
 from blockfold.surgery import remove_blocks
 

@@ -7,7 +7,9 @@ Attention methods (NBL ranked by CCA bound, by NMSE and by the stream-relative e
 k = 4, 8, 12 share one calibration
 pass: the statistics are collected once and each configuration is applied to a fresh copy of the
 model with the same functions ``--method nbl`` / ``drop-attn`` use. Block methods at 8 blocks
-(replaceme lstsq, nbl-block, uidl, drop-block, sleb) each run ``blockfold.compress`` as the CLI does.
+(replaceme lstsq, nbl-block, uidl, drop-block, sleb) each run ``blockfold.compress`` as the CLI does;
+``method:criterion`` picks a ranking other than the method's default (``nbl-block:cca``). Every run
+records the resolved recipe it ran (the attention rows: the recipe ``--method nbl`` would run).
 Calibration is issue #2's recipe (c4_demo, 64 × 512 tokens), except SLEB, whose greedy search scores
 every remaining block with the full model's loss at every step: it gets --sleb-sequences × 256 tokens.
 Speed is measured against the original in the same process, interleaved, median of --repeats.
@@ -19,20 +21,25 @@ import argparse
 import copy
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
 import blockfold
 from blockfold.adapters import get_adapter
+from blockfold.api import as_handle, provenance
 from blockfold.data import build_calibration
 from blockfold.eval import perplexity, read_eval_text, tokenize_windows
 from blockfold.eval.speed import benchmark, parameter_counts
-from blockfold.api import as_handle
 from blockfold.methods.nbl import all_scores, drop_attention, linearize
 from blockfold.pipelines import run_observers
-from blockfold.stats import SublayerLinearity
 from blockfold.recipe import CalibrationConfig, Recipe
 from blockfold.select import lowest_scoring
+from blockfold.settings import NBL, DropAttention
+from blockfold.stats import SublayerLinearity
+
+#: the setting that names a block method's ranking, for ``method:criterion`` runs
+CRITERION_FIELD = {"replaceme": "criterion", "uidl": "criterion", "nbl-block": "linearity_criterion"}
 
 DATA = Path(os.environ.get("BLOCKFOLD_DATA", "../shared/data"))
 
@@ -75,6 +82,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", default="bench/results/nbl_baselines.json")
     args = parser.parse_args()
+    started = provenance(["bench/nbl_baselines.py", *sys.argv[1:]])
 
     loaded = blockfold.load_model(args.model)
     original, tokenizer = loaded.model, loaded.tokenizer
@@ -84,7 +92,7 @@ def main() -> None:
     windows = tokenize_windows(read_eval_text(args.ppl), tokenizer, 512, args.ppl_windows)
     results = {"model": args.model, "calibration": calibration.description, "ppl_windows": args.ppl_windows,
                "original": {"perplexity": perplexity(original, windows)["perplexity"], **parameter_counts(original)},
-               "runs": []}
+               "runs": [], "provenance": started}
     print(f"original ppl {results['original']['perplexity']:.2f}", flush=True)
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -105,32 +113,39 @@ def main() -> None:
             for run in runs:
                 criterion = "cosine" if run == "drop-attn" else run.removeprefix("nbl-")
                 layers = sorted(lowest_scoring(scores[criterion], k))
+                settings = (DropAttention(attention_layers=k) if run == "drop-attn"
+                            else NBL(attention_layers=k, linearity_criterion=criterion))
                 model = copy.deepcopy(original)
                 if run == "drop-attn":
                     drop_attention(as_handle(model, None, None), layers)
                 else:
                     linearize(as_handle(model, None, None), statistics, layers, "attention")
                 results["runs"].append(measure(f"{run} k={k}", model, original, windows, args,
-                                               {"method": run, "k": k, "layers": layers}))
+                                               {"method": run, "k": k, "layers": layers,
+                                                "recipe": Recipe.of(settings, calibration_config).model_dump(mode="json")}))
                 save()
                 del model
 
     for run in (r for r in args.block_runs.split(",") if r):
+        method, _, criterion = run.partition(":")
         method_calibration = calibration
         config = calibration_config
-        if run == "sleb":
+        if method == "sleb":
             config = CalibrationConfig(source=args.calib, max_documents=args.calib_docs,
                                        num_sequences=args.sleb_sequences, sequence_length=256)
             method_calibration = build_calibration(config, tokenizer)
-        recipe = Recipe(method=run, blocks=args.blocks, calibration=config)
+        ranking = {CRITERION_FIELD[method]: criterion} if criterion else {}
+        recipe = Recipe(method=method, blocks=args.blocks, calibration=config, **ranking)
         model = copy.deepcopy(original)
-        started = time.perf_counter()
-        manifest = blockfold.compress(model, tokenizer, recipe, calibration=method_calibration).manifest
-        seconds = time.perf_counter() - started
+        timer = time.perf_counter()
+        result = blockfold.compress(model, tokenizer, recipe, calibration=method_calibration)
+        seconds = time.perf_counter() - timer
+        manifest = result.manifest
         layers = manifest["removed_blocks"] or manifest["replaced"]["layers"]
         results["runs"].append(measure(f"{run} {args.blocks} blocks", model, original, windows, args,
                                        {"method": run, "blocks": args.blocks, "layers": layers,
-                                        "compress_seconds": seconds, "calibration_tokens": method_calibration.num_tokens}))
+                                        "compress_seconds": seconds, "calibration_tokens": method_calibration.num_tokens,
+                                        "recipe": result.recipe.model_dump(mode="json")}))
         save()
         del model
 

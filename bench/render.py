@@ -150,13 +150,134 @@ def render_gemma(results: dict) -> str:
     return "\n".join(lines + ["", _provenance_line(results["provenance"])])
 
 
-#: section name → (results file, renderer); a section renders only where BENCHMARKS.md has its markers
-SECTIONS: dict[str, tuple[str, Callable[[dict], str]]] = {
+def render_defaults(results: dict) -> str:
+    """Issue #12: each default against the other candidates, on the text it was chosen on and on text it
+    never saw; the default's perplexity over the best candidate's per text."""
+    lines = []
+    studies = {"span": ("ReplaceMe's span criterion", "span"), "nbl": ("NBL's linearity ranking", "attention layers")}
+    for model, result in results["models"].items():
+        for key, (title, what) in studies.items():
+            study = result.get(key)
+            if not study:
+                continue
+            texts = list(result["original"])
+            groups: dict[str, list[dict]] = {}
+            for row in study["rows"]:  # criteria that pick the same span built the same model
+                if "layers" in row:
+                    placed = _span(row["layers"])
+                elif "blocks" in study:
+                    placed = _span(list(range(row["start"], row["start"] + study["blocks"])))
+                else:
+                    placed = f"from block {row['start']}"
+                groups.setdefault(placed, []).append(row)
+            lines += [f"### {model}: {title} (default `{study['default']}`)", "",
+                      f"| candidates | {what} | " + " | ".join(texts) + " |", "|---|---|" + "---|" * len(texts),
+                      "| original | - | " + " | ".join(f"{result['original'][t]:.2f}" for t in texts) + " |"]
+            best = {t: min(row["perplexity"][t] for row in study["rows"]) for t in texts}
+            for placed, rows in groups.items():
+                names = ", ".join(f"**{r['candidate']}** (default)" if r["candidate"] == study["default"] else r["candidate"]
+                                  for r in rows)
+                cells = [f"**{rows[0]['perplexity'][t]:.2f}**" if rows[0]["perplexity"][t] == best[t]
+                         else f"{rows[0]['perplexity'][t]:.2f}" for t in texts]
+                lines.append(f"| {names} | {placed} | " + " | ".join(cells) + " |")
+            lines.append("| default / best | - | " + " | ".join(
+                f"{study['verdict'][t]['default_over_best']:.3f}" for t in texts) + " |")
+            lines.append("")
+    return "\n".join(lines + [_provenance_line(results["provenance"])])
+
+
+_METHOD_NAMES = {"nbl": "NBL", "drop-attn": "DROP-attn", "replaceme": "ReplaceMe", "nbl-block": "NBL-block",
+                 "uidl": "UIDL", "drop-block": "DROP-block", "sleb": "SLEB"}
+_ATTENTION_ORDER = ["nbl-cosine", "nbl-stream", "nbl-nmse", "nbl-cca", "drop-attn"]
+_BLOCK_ORDER = ["replaceme", "nbl-block", "nbl-block:cosine", "nbl-block:cca", "uidl", "drop-block", "sleb"]
+
+
+def _ranking(run: dict) -> tuple[str, str | None]:
+    """(method, ranking criterion) of a bench/nbl_baselines.py run: from its recorded recipe, else (runs
+    from before recipes were recorded) from the run's name where the name carries it."""
+    recipe = run.get("recipe")
+    if recipe:
+        settings = recipe["settings"]
+        return recipe["method"], settings.get("linearity_criterion") or settings.get("criterion")
+    method = run["method"]
+    if method.startswith("nbl-") and method != "nbl-block":
+        return "nbl", method.removeprefix("nbl-")
+    return method, None
+
+
+def _run_label(run: dict) -> str:
+    from blockfold.settings import SETTINGS
+
+    method, criterion = _ranking(run)
+    name = _METHOD_NAMES.get(method, method)
+    if method == "drop-attn" or method == "drop-block" or method == "sleb":
+        return name
+    if criterion is None:
+        return f"{name} (ranking not recorded)"
+    field = "linearity_criterion" if "linearity_criterion" in SETTINGS[method].model_fields else "criterion"
+    default = SETTINGS[method].model_fields[field].default
+    estimator = (run.get("recipe") or {}).get("settings", {}).get("estimator")
+    return f"{name} ({', '.join(filter(None, [estimator, criterion, 'default' if criterion == default else None]))})"
+
+
+def render_nbl(parts: list[dict]) -> str:
+    """Issue #3's table of NBL and the baselines, merged from the runs of several invocations: a later
+    file's run replaces an earlier run of the same name; each row says which run measured it."""
+    runs, sources = {}, {}
+    for index, part in enumerate(parts):
+        for run in part["runs"]:
+            runs[run["run"]] = run
+            sources[run["run"]] = index
+    first = parts[0]
+    length = next(int(key.rsplit("_", 1)[1]) for key in next(iter(runs.values())) if key.startswith("prefill_speedup_"))
+
+    def order(run: dict) -> tuple:
+        name = run["run"].split(" ")[0]
+        if "k" in run:
+            return (0, run["k"], _ATTENTION_ORDER.index(name) if name in _ATTENTION_ORDER else 99)
+        return (1, run["blocks"], _BLOCK_ORDER.index(name) if name in _BLOCK_ORDER else 99)
+
+    lines = [f"| method (ranking) | budget | layers (0-based) | WikiText-2 ppl | sparsity | prefill speed-up @ {length} | "
+             "decode speed-up | KV cache / original | measured |", "|---|---|---|---|---|---|---|---|---|",
+             f"| original | - | - | {first['original']['perplexity']:.2f} | 0 | 1.00 | 1.00 | 1.000 | - |"]
+    for run in sorted(runs.values(), key=order):
+        budget = f"{run['k']} attention" if "k" in run else f"{run['blocks']} blocks"
+        tokens = run.get("calibration_tokens")
+        if tokens and tokens != first["calibration"]["tokens"]:
+            budget += f" ({tokens:,} calibration tokens)"
+        source = parts[sources[run["run"]]]
+        measured = (f"recipe v{run['recipe']['recipe_version']}, `{source['provenance']['commit'][:7]}`" if run.get("recipe")
+                    else "recipe v2, before provenance")
+        lines.append(f"| {_run_label(run)} | {budget} | {_span(run['layers'])} | {run['perplexity']:.2f} | "
+                     f"{run['sparsity']:.3f} | {run[f'prefill_speedup_{length}']:.2f} | {run['decode_speedup']:.2f} | "
+                     f"{run['kv_cache_ratio']:.3f} | {measured} |")
+    lines.append("")
+    for part in parts:
+        used = sum(1 for index in sources.values() if parts[index] is part)
+        if used and "provenance" in part:
+            lines.append(f"- {used} row{'s' * (used != 1)}: {_provenance_line(part['provenance'])}")
+        elif used:
+            lines.append(f"- {used} row{'s' * (used != 1)}: an earlier invocation that recorded no provenance "
+                         "(recipe version 2 packing)")
+    return "\n".join(lines)
+
+
+#: section name → (results file or files, renderer); a section renders only where BENCHMARKS.md has its markers
+SECTIONS: dict[str, tuple[str | tuple[str, ...], Callable]] = {
     "scale": ("scale.json", render_scale),
     "packing": ("calibration_packing.json", render_packing),
     "healing": ("healing.json", render_healing),
     "gemma": ("gemma_sandwich.json", render_gemma),
+    "nbl": (("nbl_baselines.json", "nbl_baselines_part2.json", "nbl_baselines_part3.json"), render_nbl),
+    "nbl-gemma": (("nbl_gemma.json",), render_nbl),
+    "defaults": ("defaults_validation.json", render_defaults),
 }
+
+
+def _load(filename: str | tuple[str, ...]):
+    if isinstance(filename, tuple):
+        return [json.loads((RESULTS / name).read_text()) for name in filename]
+    return json.loads((RESULTS / filename).read_text())
 
 
 def rendered_document(text: str) -> str:
@@ -164,7 +285,7 @@ def rendered_document(text: str) -> str:
         pattern = re.compile(rf"(<!-- render:{name} -->\n)(?:.*?\n)?(<!-- /render:{name} -->)", re.S)
         if not pattern.search(text):
             continue
-        body = render(json.loads((RESULTS / filename).read_text()))
+        body = render(_load(filename))
         text = pattern.sub(lambda match: match.group(1) + body + "\n" + match.group(2), text)
     return text
 

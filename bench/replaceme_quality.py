@@ -14,10 +14,12 @@ import argparse
 import copy
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
 import blockfold
+from blockfold.api import provenance
 from blockfold.data import build_calibration
 from blockfold.eval import perplexity, read_eval_text, tokenize_windows
 from blockfold.recipe import CalibrationConfig, Recipe
@@ -37,13 +39,14 @@ def main() -> None:
     parser.add_argument("--runs", default="identity@fixed,lstsq@fixed,cosine@fixed,lstsq@selected,cosine@selected")
     parser.add_argument("--json", default="bench/results/replaceme_quality.json")
     args = parser.parse_args()
+    started = provenance(["bench/replaceme_quality.py", *sys.argv[1:]])
 
     loaded = blockfold.load_model(args.model)
     calibration_config = CalibrationConfig(source=args.calib, max_documents=args.calib_docs)
     calibration = build_calibration(calibration_config, loaded.tokenizer)
     windows = tokenize_windows(read_eval_text(args.ppl), loaded.tokenizer, 512, args.ppl_windows)
     results = {"model": args.model, "blocks": args.blocks, "calibration": calibration.description,
-               "original": perplexity(loaded.model, windows)["perplexity"], "runs": []}
+               "original": perplexity(loaded.model, windows)["perplexity"], "runs": [], "provenance": started}
     print(f"original ppl {results['original']:.2f}")
     for run in args.runs.split(","):
         estimator, where = run.split("@")
@@ -56,7 +59,8 @@ def main() -> None:
         ppl = perplexity(model, windows)["perplexity"]
         entry = {"run": run, "estimator": estimator, "removed_blocks": result.manifest["removed_blocks"],
                  "perplexity": ppl, "relative_fit_error": result.manifest["transform"]["relative_fit_error"],
-                 "numerical_fit": result.manifest["transform"].get("numerical_fit"), "compress_seconds": seconds}
+                 "numerical_fit": result.manifest["transform"].get("numerical_fit"), "compress_seconds": seconds,
+                 "recipe": result.recipe.model_dump(mode="json")}
         results["runs"].append(entry)
         print(json.dumps(entry))
         del model

@@ -21,21 +21,22 @@ import argparse
 import copy
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
 import blockfold
+from blockfold.api import as_handle, provenance
 from blockfold.data import build_calibration
+from blockfold.estimate import fit_span_map
 from blockfold.eval import perplexity, read_eval_text, tokenize_windows
 from blockfold.healing import heal
-from blockfold.api import as_handle
-from blockfold.estimate import fit_span_map
 from blockfold.methods import Job, PassCache
 from blockfold.methods.replaceme import measure_spans
 from blockfold.pipelines import Runner
-from blockfold.settings import ReplaceMe
 from blockfold.recipe import CalibrationConfig, HealConfig, Recipe
 from blockfold.select import SPAN_CRITERIA, best_span, span_criteria
+from blockfold.settings import ReplaceMe
 
 DEFAULT_CRITERION = ReplaceMe.model_fields["criterion"].default
 DATA = Path(os.environ.get("BLOCKFOLD_DATA", "../shared/data"))
@@ -65,6 +66,7 @@ def main() -> None:
     parser.add_argument("--ppl-windows", type=int, default=40)
     parser.add_argument("--json", default="bench/results/replaceme_variants.json")
     args = parser.parse_args()
+    started = provenance(["bench/replaceme_variants.py", *sys.argv[1:]])
 
     loaded = blockfold.load_model(args.model)
     model, tokenizer = loaded.model, loaded.tokenizer
@@ -75,6 +77,7 @@ def main() -> None:
     results = json.loads(path.read_text()) if path.is_file() else {}
     results.update({"model": args.model, "blocks": args.blocks, "default_calibration": calibration.description,
                     "ppl_windows": args.ppl_windows, "default_criterion": DEFAULT_CRITERION})
+    results.setdefault("provenance", []).append(started)  # one entry per invocation merged into this file
     if "original" not in results:
         results["original"] = perplexity(model, windows, description="original")["perplexity"]
     n = args.blocks

@@ -1,0 +1,78 @@
+"""bench/render.py: BENCHMARKS.md's tables come from the JSON, a stale number is caught, and a merged
+table says which run measured each row."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def render():
+    spec = importlib.util.spec_from_file_location("bench_render", ROOT / "bench" / "render.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+PROVENANCE = {"command": "bench/x.py", "date": "2026-12-01 10:00 UTC", "commit": "abcdef1234567890", "cpu": "CPU",
+              "cpus": 2, "memory_gib": 23.5, "torch": "2.13.0", "transformers": "5.24.0"}
+
+
+def _run(name: str, perplexity: float, **extra) -> dict:
+    return {"run": name, "perplexity": perplexity, "sparsity": 0.2, "prefill_speedup_2048": 1.3, "decode_speedup": 1.2,
+            "kv_cache_ratio": 0.733, "layers": [12, 13, 14], **extra}
+
+
+def test_committed_benchmarks_match_their_json(render):
+    text = (ROOT / "BENCHMARKS.md").read_text()
+    assert render.rendered_document(text) == text, "BENCHMARKS.md is stale: run .venv/bin/python bench/render.py"
+
+
+def test_a_hand_edited_number_inside_a_rendered_section_is_caught(render):
+    text = (ROOT / "BENCHMARKS.md").read_text()
+    section = text.index("<!-- render:packing -->")
+    edited = text[:section] + text[section:].replace("189.13", "150.00", 1)
+    assert edited != text
+    assert render.rendered_document(edited) == text
+
+
+def test_merged_nbl_table_takes_the_later_run_and_labels_it_from_its_recipe(render):
+    old = {"original": {"perplexity": 29.19}, "calibration": {"tokens": 32768},
+           "runs": [_run("replaceme 8 blocks", 300.72, method="replaceme", blocks=8),
+                    _run("drop-block 8 blocks", 115.11, method="drop-block", blocks=8)]}
+    recipe = {"recipe_version": 3, "method": "nbl-block", "settings": {"blocks": 8, "linearity_criterion": "cca"}}
+    new = {"original": {"perplexity": 29.19}, "calibration": {"tokens": 32768}, "provenance": PROVENANCE,
+           "runs": [_run("replaceme 8 blocks", 102.55, method="replaceme", blocks=8,
+                         recipe={"recipe_version": 3, "method": "replaceme",
+                                 "settings": {"blocks": 8, "criterion": "fit_error_stream", "estimator": "lstsq"}}),
+                    _run("nbl-block:cca 8 blocks", 425.0, method="nbl-block:cca", blocks=8, recipe=recipe)]}
+    table = render.render_nbl([old, new])
+    assert "300.72" not in table and "102.55" in table
+    assert "ReplaceMe (lstsq, fit_error_stream, default) | 8 blocks" in table
+    assert "NBL-block (cca) | 8 blocks" in table  # not the default ranking, so not labelled default
+    assert "| 115.11 |" in table and "recipe v2, before provenance" in table  # the old row stays, marked
+    assert "recipe v3, `abcdef1`" in table
+    assert "- 1 row: an earlier invocation that recorded no provenance" in table
+    assert "- 2 rows: `bench/x.py` — commit `abcdef123456`" in table
+
+
+def test_defaults_table_groups_candidates_that_built_the_same_model_and_marks_the_default(render):
+    texts = ["chosen on", "held out"]
+    results = {"provenance": PROVENANCE, "models": {"smollm2-135m": {
+        "original": {"chosen on": 29.0, "held out": 20.0},
+        "span": {"default": "fit_error_stream", "blocks": 8,
+                 "rows": [{"candidate": "angular_last", "start": 11, "perplexity": {"chosen on": 327.0, "held out": 90.0}},
+                          {"candidate": "fit_error_stream", "start": 12, "perplexity": {"chosen on": 102.0, "held out": 95.0}},
+                          {"candidate": "cka", "start": 12, "perplexity": {"chosen on": 102.0, "held out": 95.0}}],
+                 "verdict": {"chosen on": {"default_over_best": 1.0}, "held out": {"default_over_best": 95 / 90}}}}}}
+    table = render.render_defaults(results)
+    assert table.count("| 12-19 |") == 1
+    assert "| **fit_error_stream** (default), cka | 12-19 | **102.00** | 95.00 |" in table
+    assert "| angular_last | 11-18 | 327.00 | **90.00** |" in table
+    assert "| default / best | - | 1.000 | 1.056 |" in table
+    assert texts[1] in table
