@@ -9,7 +9,7 @@ documents the calibration never saw, and LAMBADA passages, on SmolLM2-135M and G
 
 Spans: one calibration pass scores every criterion; each distinct choice is compressed once
 (``compress --span-start``) and measured on every text. NBL: one compression per linearity
-criterion at the same number of attention layers.
+criterion at the same number of attention layers, all from one statistics pass.
 """
 
 from __future__ import annotations
@@ -74,11 +74,11 @@ def span_study(loaded, blocks: int, calibration, texts: dict) -> dict:
 
 
 def nbl_study(loaded, layers: int, calibration, texts: dict) -> dict:
-    rows = []
+    rows, cache = [], PassCache()  # one statistics pass serves every ranking
     for criterion in LINEARITY_CRITERIA:
         result = blockfold.compress(copy.deepcopy(loaded.model), loaded.tokenizer,
                                     Recipe.of(NBL(attention_layers=layers, linearity_criterion=criterion)),
-                                    calibration=calibration)
+                                    calibration=calibration, cache=cache)
         rows.append({"candidate": criterion, "layers": result.manifest["replaced"]["layers"],
                      "perplexity": measure(result.model, texts, f"nbl {criterion}")})
         print(json.dumps(rows[-1]), flush=True)

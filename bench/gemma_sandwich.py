@@ -52,6 +52,8 @@ def main() -> None:
     parser.add_argument("--ppl", default=str(DATA / "wikitext2_test.txt"))
     parser.add_argument("--ppl-windows", type=int, default=40)
     parser.add_argument("--placement", action="store_true", help="also every start of the same length (slow)")
+    parser.add_argument("--placement-windows", type=int, default=20,
+                        help="perplexity windows per start in the placement study (the first of --ppl's)")
     parser.add_argument("--json", default="bench/results/gemma_sandwich.json")
     args = parser.parse_args()
     started = provenance(["bench/gemma_sandwich.py", *sys.argv[1:]])
@@ -97,14 +99,15 @@ def main() -> None:
                                                                         ("criterion", "scored_map", "score")},
            "auto_regime": default.manifest["transform"]["regime"], "perplexity": rows, "relative_fit_error": errors,
            "recipe": default.recipe.model_dump(mode="json"), "calibration": calibration.description,
-           "ppl_windows": args.ppl_windows}
+           "ppl_windows": args.ppl_windows, "provenance": started}
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(out, indent=2))  # the table, before the long placement study
     if args.placement:
         from blockfold.sweep import placement_study
 
-        out["placement"] = placement_study(blockfold.load_model(args.model), calibration, args.blocks, windows)
-    out["provenance"] = started
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(out, indent=2))
+        out["placement"] = placement_study(loaded, calibration, args.blocks, windows[:args.placement_windows])
+        out["placement"]["ppl_windows"] = min(args.placement_windows, len(windows))
+        Path(args.json).write_text(json.dumps(out, indent=2))
     print(f"\nremoved blocks {blocks[0]}-{blocks[-1]} of {num_layers}\n")
     print("| variant | relative fit error | WikiText-2 ppl |\n|---|---|---|")
     for label, ppl in rows.items():

@@ -255,3 +255,26 @@ def test_linearized_checkpoint_reloads_without_blockfold_and_generates_same_toke
     reloaded = load_model(str(out)).model
     assert type(reloaded).__name__ == type(model).__name__
     assert torch.equal(reloaded.generate(torch.tensor(ids), max_new_tokens=12, do_sample=False, pad_token_id=0), expected)
+
+
+def test_rankings_compared_on_one_model_share_one_statistics_pass():
+    """A comparison of linearity rankings (bench/defaults_validation.py) passes a PassCache: the second
+    ranking reuses the first's statistics and builds the same model as its own pass would; other
+    weights are not served them."""
+    import copy
+
+    from blockfold.methods import PassCache
+
+    base, calibration, cache = tiny_model("llama"), random_calibration(num_sequences=8), PassCache()
+    for criterion, passes in (("cosine", 1), ("cca", 0)):
+        recipe = {"method": "nbl", "attention_layers": 2, "linearity_criterion": criterion}
+        alone = copy.deepcopy(base)
+        expected = blockfold.compress(alone, tiny_tokenizer(), recipe, calibration=calibration).manifest
+        shared = copy.deepcopy(base)
+        got = blockfold.compress(shared, tiny_tokenizer(), recipe, calibration=calibration, cache=cache).manifest
+        assert got["execution"]["passes"] == passes
+        assert got["replaced"] == expected["replaced"]
+        assert all(torch.allclose(alone.state_dict()[k], v, atol=1e-6) for k, v in shared.state_dict().items())
+    other = blockfold.compress(tiny_model("llama", seed=3), tiny_tokenizer(), {"method": "nbl", "attention_layers": 2},
+                               calibration=calibration, cache=cache).manifest
+    assert other["execution"]["passes"] == 1

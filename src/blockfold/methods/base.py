@@ -22,16 +22,17 @@ class PassCache:
     weights with the same fingerprint."""
 
     def __init__(self) -> None:
-        self._entries: list[tuple[str, int, dict, object]] = []
+        self._entries: list[tuple[str, str, int, dict, object]] = []
 
-    def find(self, fingerprint: str, calibration: CalibrationSet, covers: Callable[[dict], bool]):
-        for entry_fingerprint, calibration_id, what, value in self._entries:
-            if entry_fingerprint == fingerprint and calibration_id == id(calibration) and covers(what):
+    def find(self, kind: str, fingerprint: str, calibration: CalibrationSet, covers: Callable[[dict], bool]):
+        """An entry of ``kind`` (which pass: "spans", "linearity") that ``covers`` accepts."""
+        for entry_kind, entry_fingerprint, calibration_id, what, value in self._entries:
+            if (entry_kind, entry_fingerprint, calibration_id) == (kind, fingerprint, id(calibration)) and covers(what):
                 return value
         return None
 
-    def add(self, fingerprint: str, calibration: CalibrationSet, what: dict, value) -> None:
-        self._entries.append((fingerprint, id(calibration), what, value))
+    def add(self, kind: str, fingerprint: str, calibration: CalibrationSet, what: dict, value) -> None:
+        self._entries.append((kind, fingerprint, id(calibration), what, value))
 
 
 @dataclass

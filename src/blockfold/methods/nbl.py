@@ -29,9 +29,17 @@ def measure_layers(job: Job, target: str, criterion: str) -> tuple[dict[str, dic
     per_layer = SublayerLinearity.sums_bytes_for(1, job.hidden_size)
     budget = job.runner.stats_budget()
     if per_layer * num_layers <= budget:
+        # a cached pass over the same weights and calibration (a comparison of rankings) serves again
+        fingerprint = job.handle.fingerprint() if job.cache is not None else None
+        if fingerprint is not None:
+            cached = job.cache.find("linearity", fingerprint, job.calibration, lambda what: what == {"target": target})
+            if cached is not None:
+                return all_scores(cached), dict(enumerate(cached))
         observer = SublayerLinearity(num_layers, target)
         job.run([observer], description=f"{target} statistics")
         statistics = observer.finalize()
+        if fingerprint is not None:
+            job.cache.add("linearity", fingerprint, job.calibration, {"target": target}, statistics)
         return all_scores(statistics), dict(enumerate(statistics))
     group = max(1, budget // per_layer)
     job.notes.update(stats_budget_bytes=budget, full_sums_bytes=per_layer * num_layers, layers_per_pass=group)

@@ -90,7 +90,7 @@ def measure_spans(job: Job, lengths: list[int], max_length: int, criterion: str,
     need_all = all_criteria or criterion in _FIT_CRITERIA
     if job.cache is not None:
         fingerprint = job.handle.fingerprint()
-        cached = job.cache.find(fingerprint, job.calibration, lambda w: set(lengths) <= set(w["lengths"])
+        cached = job.cache.find("spans", fingerprint, job.calibration, lambda w: set(lengths) <= set(w["lengths"])
                                 and max_length <= w["max_length"] and (w["moments"] or not moments)
                                 and (w["equations"] == "full" or not need_all))
         if cached is not None:
@@ -98,8 +98,9 @@ def measure_spans(job: Job, lengths: list[int], max_length: int, criterion: str,
                                    cached.moments, lengths, cached.max_length, cached.equations, cached.screening)
     measured = _measure(job, lengths, max_length, moments, need_all)
     if job.cache is not None:
-        job.cache.add(fingerprint, job.calibration, {"lengths": lengths, "max_length": max_length, "moments": moments,
-                                                     "equations": measured.equations}, measured)
+        job.cache.add("spans", fingerprint, job.calibration, {"lengths": lengths, "max_length": max_length,
+                                                              "moments": moments, "equations": measured.equations},
+                      measured)
     return measured
 
 
