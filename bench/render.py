@@ -139,8 +139,9 @@ def render_gemma(results: dict) -> str:
         lines.append(f"| {label} | {'-' if error is None else f'{error:.4f}'} | {ppl:.2f} |")
     placement = results.get("placement")
     if placement:
+        windows = f", WikiText-2 ppl on the first {placement['ppl_windows']} windows" if "ppl_windows" in placement else ""
         lines += ["", f"Every start for {placement['blocks']} blocks, each through `compress --span-start` (its own "
-                  "sandwich fold), against each criterion's score:", "",
+                  f"sandwich fold{windows}), against each criterion's score:", "",
                   "| criterion | Spearman ρ with log ppl | picks start | its ppl |", "|---|---|---|---|"]
         for name, value in placement["criteria"].items():
             lines.append(f"| {name} | {value['spearman_with_log_ppl']:.3f} | {value['choice']} | "

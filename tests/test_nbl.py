@@ -278,3 +278,33 @@ def test_rankings_compared_on_one_model_share_one_statistics_pass():
     other = blockfold.compress(tiny_model("llama", seed=3), tiny_tokenizer(), {"method": "nbl", "attention_layers": 2},
                                calibration=calibration, cache=cache).manifest
     assert other["execution"]["passes"] == 1
+
+
+TOKENIZER_RELOAD = r"""
+import sys, time
+sys.modules["blockfold"] = None
+from transformers import AutoTokenizer
+started = time.perf_counter()
+tokenizer = AutoTokenizer.from_pretrained(sys.argv[1])
+print(time.perf_counter() - started)
+print(" ".join(map(str, tokenizer("w1 w2 w3")["input_ids"])))
+print(any(name.startswith("transformers_modules") for name in sys.modules))
+"""
+
+
+def test_linearized_checkpoint_tokenizer_loads_in_a_job_without_a_terminal_and_runs_no_shipped_code(tmp_path):
+    """The model refuses to load without trust_remote_code (it would be the wrong model); its
+    tokenizer is a stock one: a job with no terminal gets it at once, without executing the shipped
+    modeling code (AutoTokenizer reads config.json, whose custom model_type asks before code runs)."""
+    tokenizer = tiny_tokenizer()
+    result = blockfold.compress(tiny_model("llama"), tokenizer, {"method": "nbl", "attention_layers": 2},
+                                calibration=random_calibration())
+    out = result.save(tmp_path / "out")
+    env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules")}
+    completed = subprocess.run([sys.executable, "-c", TOKENIZER_RELOAD, str(out)], env=env, stdin=subprocess.DEVNULL,
+                               capture_output=True, text=True, check=True, timeout=120)
+    seconds, ids, ran_shipped_code = completed.stdout.strip().splitlines()[-3:]
+    seconds = seconds.split()[-1]  # after the unanswered prompt's text, which input() leaves on the line
+    assert ids == " ".join(map(str, tokenizer("w1 w2 w3")["input_ids"]))
+    assert ran_shipped_code == "False"
+    assert float(seconds) < 10, "the remote-code prompt waited for an answer no job can give"
