@@ -1,6 +1,7 @@
 """Defaults validated on data they were not chosen on (issue #12).
 
-The default span criterion and NBL's default ranking were chosen on the first 40 WikiText-2 windows.
+The default span criterion, NBL's default ranking and the "best configuration" map were chosen on the
+first 40 WikiText-2 windows.
 This measures every candidate on those windows and on held-out text: later WikiText-2 windows, C4
 documents the calibration never saw, and LAMBADA passages, on SmolLM2-135M and Gemma-3-270m.
 
@@ -73,6 +74,24 @@ def span_study(loaded, blocks: int, calibration, texts: dict) -> dict:
             "rows": [{"candidate": name, "start": start, "perplexity": by_start[start]} for name, start in choices.items()]}
 
 
+#: the maps "Best configuration" compares on the default span (BENCHMARKS.md, issue #5)
+ESTIMATORS = {"lstsq": {"estimator": "lstsq"}, "orthogonal": {"estimator": "orthogonal"},
+              "cosine + L1 1e-4": {"estimator": "cosine", "cosine": {"l1_penalty": 1e-4}}}
+
+
+def estimator_study(loaded, blocks: int, calibration, texts: dict) -> dict:
+    """The default span, each map of the "best configuration" comparison, one calibration pass."""
+    cache, rows = PassCache(), []
+    for name, settings in ESTIMATORS.items():
+        result = blockfold.compress(as_handle(copy.deepcopy(loaded.model), loaded.tokenizer, None),
+                                    recipe=Recipe(blocks=blocks, **settings), calibration=calibration, cache=cache)
+        rows.append({"candidate": name, "layers": result.manifest["removed_blocks"],
+                     "recipe": result.recipe.model_dump(mode="json"),
+                     "perplexity": measure(result.model, texts, f"map {name}")})
+        print(json.dumps(rows[-1]["perplexity"]), flush=True)
+    return {"default": "lstsq", "rows": rows}
+
+
 def nbl_study(loaded, layers: int, calibration, texts: dict) -> dict:
     rows, cache = [], PassCache()  # one statistics pass serves every ranking
     for criterion in LINEARITY_CRITERIA:
@@ -99,7 +118,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="smollm2-135m:8:8,gemma3-270m:4:4",
                         help="model:blocks:attention layers, comma-separated")
-    parser.add_argument("--studies", default="span,nbl")
+    parser.add_argument("--studies", default="span,nbl", help="span, nbl, estimator (the maps of 'Best configuration')")
     parser.add_argument("--windows", type=int, default=40, help="windows of 512 tokens per held-out text")
     parser.add_argument("--json", default="bench/results/defaults_validation.json")
     args = parser.parse_args()
@@ -116,6 +135,9 @@ def main() -> None:
         if "span" in studies:
             model_results["span"] = span_study(loaded, int(blocks), calibration, texts)
             model_results["span"]["verdict"] = verdict(model_results["span"])
+        if "estimator" in studies:
+            model_results["estimator"] = estimator_study(loaded, int(blocks), calibration, texts)
+            model_results["estimator"]["verdict"] = verdict(model_results["estimator"])
         if "nbl" in studies:
             model_results["nbl"] = nbl_study(loaded, int(layers), calibration, texts)
             model_results["nbl"]["verdict"] = verdict(model_results["nbl"])

@@ -151,31 +151,38 @@ def render_gemma(results: dict) -> str:
     return "\n".join(lines + ["", _provenance_line(results["provenance"])])
 
 
-def render_defaults(results: dict) -> str:
+def render_defaults(parts: list[dict]) -> str:
     """Issue #12: each default against the other candidates, on the text it was chosen on and on text it
-    never saw; the default's perplexity over the best candidate's per text."""
+    never saw; the default's perplexity over the best candidate's per text. Studies from several files
+    (invocations) merge per model."""
+    studies = {"span": ("ReplaceMe's span criterion", "span"), "estimator": ("ReplaceMe's map on the default span", "span"),
+               "nbl": ("NBL's linearity ranking", "attention layers")}
+    merged: dict[str, dict] = {}
+    for part in parts:
+        for model, result in part["models"].items():
+            merged.setdefault(model, {}).update(result)
     lines = []
-    studies = {"span": ("ReplaceMe's span criterion", "span"), "nbl": ("NBL's linearity ranking", "attention layers")}
-    for model, result in results["models"].items():
+    for model, result in merged.items():
         for key, (title, what) in studies.items():
             study = result.get(key)
             if not study:
                 continue
             texts = list(result["original"])
-            groups: dict[str, list[dict]] = {}
-            for row in study["rows"]:  # criteria that pick the same span built the same model
+            # candidates that built the same model (the same span or layers) share a row; maps never do
+            groups: dict[tuple[str, str], list[dict]] = {}
+            for row in study["rows"]:
                 if "layers" in row:
                     placed = _span(row["layers"])
                 elif "blocks" in study:
                     placed = _span(list(range(row["start"], row["start"] + study["blocks"])))
                 else:
                     placed = f"from block {row['start']}"
-                groups.setdefault(placed, []).append(row)
+                groups.setdefault((placed, row["candidate"] if key == "estimator" else ""), []).append(row)
             lines += [f"### {model}: {title} (default `{study['default']}`)", "",
                       f"| candidates | {what} | " + " | ".join(texts) + " |", "|---|---|" + "---|" * len(texts),
                       "| original | - | " + " | ".join(f"{result['original'][t]:.2f}" for t in texts) + " |"]
             best = {t: min(row["perplexity"][t] for row in study["rows"]) for t in texts}
-            for placed, rows in groups.items():
+            for (placed, _), rows in groups.items():
                 names = ", ".join(f"**{r['candidate']}** (default)" if r["candidate"] == study["default"] else r["candidate"]
                                   for r in rows)
                 cells = [f"**{rows[0]['perplexity'][t]:.2f}**" if rows[0]["perplexity"][t] == best[t]
@@ -184,7 +191,7 @@ def render_defaults(results: dict) -> str:
             lines.append("| default / best | - | " + " | ".join(
                 f"{study['verdict'][t]['default_over_best']:.3f}" for t in texts) + " |")
             lines.append("")
-    return "\n".join(lines + [_provenance_line(results["provenance"])])
+    return "\n".join(lines + [_provenance_line(part["provenance"]) for part in parts])
 
 
 _METHOD_NAMES = {"nbl": "NBL", "drop-attn": "DROP-attn", "replaceme": "ReplaceMe", "nbl-block": "NBL-block",
@@ -271,7 +278,7 @@ SECTIONS: dict[str, tuple[str | tuple[str, ...], Callable]] = {
     "gemma": ("gemma_sandwich.json", render_gemma),
     "nbl": (("nbl_baselines.json", "nbl_baselines_part2.json", "nbl_baselines_part3.json"), render_nbl),
     "nbl-gemma": (("nbl_gemma.json",), render_nbl),
-    "defaults": ("defaults_validation.json", render_defaults),
+    "defaults": (("defaults_validation.json", "defaults_validation_estimators.json"), render_defaults),
 }
 
 

@@ -70,9 +70,23 @@ def test_defaults_table_groups_candidates_that_built_the_same_model_and_marks_th
                           {"candidate": "fit_error_stream", "start": 12, "perplexity": {"chosen on": 102.0, "held out": 95.0}},
                           {"candidate": "cka", "start": 12, "perplexity": {"chosen on": 102.0, "held out": 95.0}}],
                  "verdict": {"chosen on": {"default_over_best": 1.0}, "held out": {"default_over_best": 95 / 90}}}}}}
-    table = render.render_defaults(results)
+    table = render.render_defaults([results])
     assert table.count("| 12-19 |") == 1
     assert "| **fit_error_stream** (default), cka | 12-19 | **102.00** | 95.00 |" in table
     assert "| angular_last | 11-18 | 327.00 | **90.00** |" in table
     assert "| default / best | - | 1.000 | 1.056 |" in table
     assert texts[1] in table
+
+
+def test_defaults_table_keeps_one_row_per_map_and_merges_studies_from_two_files(render):
+    texts = {"chosen on": 1.0, "held out": 1.0}
+    span = {"provenance": PROVENANCE, "models": {"m": {"original": texts, "span": {
+        "default": "a", "blocks": 2, "rows": [{"candidate": "a", "start": 3, "perplexity": texts}],
+        "verdict": {t: {"default_over_best": 1.0} for t in texts}}}}}
+    maps = {"provenance": {**PROVENANCE, "command": "bench/y.py"}, "models": {"m": {"original": texts, "estimator": {
+        "default": "lstsq", "rows": [{"candidate": name, "layers": [3, 4], "perplexity": texts} for name in ("lstsq", "orthogonal")],
+        "verdict": {t: {"default_over_best": 1.0} for t in texts}}}}}
+    table = render.render_defaults([span, maps])
+    assert "### m: ReplaceMe's span criterion" in table and "### m: ReplaceMe's map on the default span" in table
+    assert "| **lstsq** (default) | 3-4 |" in table and "| orthogonal | 3-4 |" in table
+    assert "`bench/x.py`" in table and "`bench/y.py`" in table
