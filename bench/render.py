@@ -194,6 +194,52 @@ def render_defaults(parts: list[dict]) -> str:
     return "\n".join(lines + [_provenance_line(part["provenance"]) for part in parts])
 
 
+def _measured(run: dict, results: dict) -> str:
+    """Which run measured a row: its recipe version and commit, or that it predates both."""
+    if run.get("recipe") and "provenance" in results:
+        return f"recipe v{run['recipe']['recipe_version']}, `{results['provenance']['commit'][:7]}`"
+    return "recipe v2, before provenance"
+
+
+def render_replaceme_quality(results: dict) -> str:
+    """Issue #2: plain removal and each estimator on a fixed span, and the span selection."""
+    lines = [f"{results['model']}, {results['blocks']} blocks; calibration {results['calibration']['sequences']} × "
+             f"{results['calibration']['sequence_length']} tokens, packing of recipe version {results.get('packing', 2)}.", "",
+             "| run | removed blocks (0-based) | WikiText-2 ppl | relative fit error ‖XT−Y‖²/‖Y‖² | measured |",
+             "|---|---|---|---|---|",
+             f"| original | - | **{results['original']:.2f}** | - | - |"]
+    for run in results["runs"]:
+        estimator, where = run["run"].split("@")
+        span = _span(run["removed_blocks"])
+        settings = (run.get("recipe") or {}).get("settings", {})
+        if estimator == "cosine" and settings:
+            estimator = (f"cosine (L-BFGS from lstsq, {settings['cosine']['steps']} iterations, "
+                         f"{settings['cosine']['max_tokens']:,}-token subsample)")
+        if where == "fixed":
+            label = f"plain removal of {span}" if estimator == "identity" else f"{estimator} on {span}"
+        else:
+            label = f"{estimator}, span selected by `{settings['criterion']}`" if settings else \
+                f"{estimator}, span selected by the default criterion of its day (not recorded)"
+        lines.append(f"| {label} | {span} | **{run['perplexity']:.2f}** | {run['relative_fit_error']:.4f} | "
+                     f"{_measured(run, results)} |")
+    return "\n".join(lines + ([""] + [_provenance_line(results["provenance"])] if "provenance" in results else []))
+
+
+def render_cosine(results: dict) -> str:
+    """Issue #2: what the cosine objective does to the residual's scale, against lstsq."""
+    lines = ["| map | mean cosine distance | relative squared error | predicted / target norm, median | "
+             "same, top-1 % norm tokens | WikiText-2 ppl |", "|---|---|---|---|---|---|"]
+    for label, row in results.items():
+        if label == "provenance":
+            continue
+        held = row["held_out"]
+        lines.append(f"| {label} | {held['mean_cosine_distance']:.4f} | {held['relative_squared_error']:.4f} | "
+                     f"{held['median_norm_ratio']:.3f} | {held['norm_ratio_top1pct_tokens']:.3f} | {row['perplexity']:.2f} |")
+    footer = _provenance_line(results["provenance"]) if "provenance" in results else \
+        "Recipe version 2's packing, from an invocation that recorded no provenance."
+    return "\n".join(lines + ["", footer])
+
+
 _METHOD_NAMES = {"nbl": "NBL", "drop-attn": "DROP-attn", "replaceme": "ReplaceMe", "nbl-block": "NBL-block",
                  "uidl": "UIDL", "drop-block": "DROP-block", "sleb": "SLEB"}
 _ATTENTION_ORDER = ["nbl-cosine", "nbl-stream", "nbl-nmse", "nbl-cca", "drop-attn"]
@@ -253,9 +299,7 @@ def render_nbl(parts: list[dict]) -> str:
         tokens = run.get("calibration_tokens")
         if tokens and tokens != first["calibration"]["tokens"]:
             budget += f" ({tokens:,} calibration tokens)"
-        source = parts[sources[run["run"]]]
-        measured = (f"recipe v{run['recipe']['recipe_version']}, `{source['provenance']['commit'][:7]}`" if run.get("recipe")
-                    else "recipe v2, before provenance")
+        measured = _measured(run, parts[sources[run["run"]]])
         lines.append(f"| {_run_label(run)} | {budget} | {_span(run['layers'])} | {run['perplexity']:.2f} | "
                      f"{run['sparsity']:.3f} | {run[f'prefill_speedup_{length}']:.2f} | {run['decode_speedup']:.2f} | "
                      f"{run['kv_cache_ratio']:.3f} | {measured} |")
@@ -278,6 +322,8 @@ SECTIONS: dict[str, tuple[str | tuple[str, ...], Callable]] = {
     "gemma": ("gemma_sandwich.json", render_gemma),
     "nbl": (("nbl_baselines.json", "nbl_baselines_part2.json", "nbl_baselines_part3.json"), render_nbl),
     "nbl-gemma": (("nbl_gemma.json",), render_nbl),
+    "replaceme-quality": ("replaceme_quality.json", render_replaceme_quality),
+    "cosine": ("cosine_vs_lstsq.json", render_cosine),
     "defaults": (("defaults_validation.json", "defaults_validation_estimators.json"), render_defaults),
 }
 

@@ -3,9 +3,10 @@ a span, and of each estimator, all from one calibration set in one run.
 
     .venv/bin/python bench/replaceme_quality.py --model smollm2-135m --blocks 8 --span-start 11
 
-Defaults reproduce issue #2's recipe: the first 128 documents of c4_demo joined by blank lines,
-cut into 512-token sequences, the first 64 kept; perplexity on the first 40 non-overlapping
-512-token windows of the WikiText-2 test text, float32.
+Defaults reproduce issue #2's recipe: the first 128 documents of c4_demo joined by blank lines
+(recipe version 2's packing; ``--packing 3`` for today's), cut into 512-token sequences, the first
+64 kept; perplexity on the first 40 non-overlapping 512-token windows of the WikiText-2 test text,
+float32. ``@selected`` runs choose the span with today's default criterion.
 """
 
 from __future__ import annotations
@@ -36,17 +37,21 @@ def main() -> None:
     parser.add_argument("--calib-docs", type=int, default=128)
     parser.add_argument("--ppl", default=str(DATA / "wikitext2_test.txt"))
     parser.add_argument("--ppl-windows", type=int, default=40)
+    parser.add_argument("--packing", choices=["2", "3"], default="2",
+                        help="2: blank lines between documents, the start on the first sequence only (issue #2's "
+                             "recipe); 3: today's (EOS between documents, every sequence starts as a text)")
     parser.add_argument("--runs", default="identity@fixed,lstsq@fixed,cosine@fixed,lstsq@selected,cosine@selected")
     parser.add_argument("--json", default="bench/results/replaceme_quality.json")
     args = parser.parse_args()
     started = provenance(["bench/replaceme_quality.py", *sys.argv[1:]])
 
     loaded = blockfold.load_model(args.model)
-    calibration_config = CalibrationConfig(source=args.calib, max_documents=args.calib_docs)
+    packing = {"document_separator": "blank-line", "start_every_sequence": False} if args.packing == "2" else {}
+    calibration_config = CalibrationConfig(source=args.calib, max_documents=args.calib_docs, **packing)
     calibration = build_calibration(calibration_config, loaded.tokenizer)
     windows = tokenize_windows(read_eval_text(args.ppl), loaded.tokenizer, 512, args.ppl_windows)
     results = {"model": args.model, "blocks": args.blocks, "calibration": calibration.description,
-               "original": perplexity(loaded.model, windows)["perplexity"], "runs": [], "provenance": started}
+               "original": perplexity(loaded.model, windows)["perplexity"], "packing": int(args.packing), "runs": [], "provenance": started}
     print(f"original ppl {results['original']:.2f}")
     for run in args.runs.split(","):
         estimator, where = run.split("@")
