@@ -39,7 +39,9 @@ def test_diagonal_recovers_a_diagonal_transform():
     truth = torch.diag(torch.linspace(-2, 2, D, dtype=torch.float64))
     transform, info = fit_diagonal(_equations(*_data(truth)))
     assert torch.allclose(transform, truth, atol=1e-10)
-    assert info["relative_fit_error"] < 1e-20 and info["parameters_fitted"] == D
+    # an exact fit: the error, computed from the sums, cancels to float64 rounding (whose size depends on
+    # the summation order, hence on the thread count: 2e-16 on one thread), far below any inexact fit's
+    assert info["relative_fit_error"] < 1e-12 and info["parameters_fitted"] == D
 
 
 def test_diagonal_is_the_best_diagonal_under_noise():
