@@ -191,7 +191,7 @@ def render_defaults(parts: list[dict]) -> str:
             lines.append("| default / best | - | " + " | ".join(
                 f"{study['verdict'][t]['default_over_best']:.3f}" for t in texts) + " |")
             lines.append("")
-    return "\n".join(lines + [_provenance_line(part["provenance"]) for part in parts])
+    return "\n".join(lines + [f"- {_provenance_line(part['provenance'])}" for part in parts])
 
 
 def _measured(run: dict, results: dict) -> str:

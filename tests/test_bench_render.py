@@ -89,4 +89,4 @@ def test_defaults_table_keeps_one_row_per_map_and_merges_studies_from_two_files(
     table = render.render_defaults([span, maps])
     assert "### m: ReplaceMe's span criterion" in table and "### m: ReplaceMe's map on the default span" in table
     assert "| **lstsq** (default) | 3-4 |" in table and "| orthogonal | 3-4 |" in table
-    assert "`bench/x.py`" in table and "`bench/y.py`" in table
+    assert "- `bench/x.py`" in table and "- `bench/y.py`" in table
