@@ -306,3 +306,50 @@ def test_a_shared_first_pass_gives_the_same_compressions(tokenizer):
     got = blockfold.compress(copy.deepcopy(other), tokenizer, {"blocks": 2}, calibration=calibration, cache=cache).manifest
     assert got["execution"]["passes"] == 1
     assert got["selection"]["candidates"] == expected["selection"]["candidates"]
+
+
+def _rows(tokens: int = 256, d: int = 8, seed: int = 0):
+    from blockfold.stats import SpanRows
+
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, d, generator=generator)
+    attn = torch.randn(tokens, d, generator=generator)
+    return SpanRows(x, attn, attn + x @ torch.randn(d, d, generator=generator))
+
+
+def test_a_numerical_fit_whose_line_search_overflows_keeps_its_best_point_instead_of_crashing(monkeypatch):
+    """Gemma-3-270m, span 1-4, through-norm: L-BFGS's strong-Wolfe step overflowed float32 and compress
+    ended in a RuntimeError traceback. The fit now keeps the best point it evaluated and says so."""
+    from blockfold.estimate.numeric import fit_numerically
+    from blockfold.settings import CosineConfig
+
+    rows, init = _rows(), torch.eye(8)
+    real_step = torch.optim.LBFGS.step
+
+    def overflowing_step(self, closure):
+        real_step(self, closure)  # two honest iterations, then the overflow
+        raise RuntimeError("value cannot be converted to type float without overflow")
+
+    monkeypatch.setattr(torch.optim.LBFGS, "step", overflowing_step)
+    transform, info = fit_numerically(rows, init, CosineConfig(steps=2), "mse")
+    assert torch.isfinite(transform).all()
+    assert "overflow" in info["diverged"]
+    assert info["loss_end"] <= info["loss_start"]
+
+
+def test_a_numerical_fit_that_turns_non_finite_returns_the_best_finite_map():
+    from blockfold.estimate.numeric import fit_numerically
+    from blockfold.settings import CosineConfig
+
+    rows, init = _rows(), torch.eye(8)
+    calls = {"n": 0}
+
+    def breaks_after_a_while(x, transform):
+        calls["n"] += 1
+        out = x @ transform
+        return out if calls["n"] < 6 else out * float("nan")
+
+    transform, info = fit_numerically(rows, init, CosineConfig(steps=20), "mse", breaks_after_a_while)
+    assert torch.isfinite(transform).all() and info["diverged"]
+    _, healthy = fit_numerically(rows, init, CosineConfig(steps=20), "mse")
+    assert "diverged" not in healthy

@@ -8,6 +8,8 @@ converges in tens of iterations where first-order methods with fixed learning ra
 
 from __future__ import annotations
 
+import logging
+import math
 from typing import Callable, Literal
 
 import torch
@@ -15,6 +17,8 @@ from tqdm.auto import tqdm
 
 from blockfold.settings import CosineConfig
 from blockfold.stats import SpanRows
+
+logger = logging.getLogger(__name__)
 
 Contribution = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -50,6 +54,7 @@ def fit_numerically(
     progress = tqdm(desc=f"fitting ({objective})", unit="eval", leave=False)
 
     penalty = config.l1_penalty / transform.shape[0]
+    best = {"loss": float("inf"), "transform": transform.detach().clone()}
 
     def closure():
         optimizer.zero_grad()
@@ -58,15 +63,29 @@ def fit_numerically(
             loss = loss + penalty * transform.abs().sum()
         loss.backward()
         progress.update(1)
+        value = float(loss.detach())
+        if math.isfinite(value) and value < best["loss"]:  # every point the line search visits
+            best.update(loss=value, transform=transform.detach().clone())
         return loss
 
     with torch.no_grad():
         initial = float(span_loss(rows, transform, contribution, objective))
+    diverged = None
     with torch.enable_grad():
-        optimizer.step(closure)
+        try:
+            optimizer.step(closure)
+        except RuntimeError as err:  # the line search's step overflowed float32 ("without overflow")
+            diverged = str(err).splitlines()[0]
     progress.close()
     with torch.no_grad():
         final = float(span_loss(rows, transform, contribution, objective))
+        if diverged is None and not (math.isfinite(final) and torch.isfinite(transform).all()):
+            diverged = "the loss or the map became non-finite"
+        if diverged is not None:  # keep the best point reached, never a broken map
+            logger.warning("numerical fit (%s) diverged (%s): keeping its best point, loss %.4g from %.4g",
+                           objective, diverged, best["loss"], initial)
+            transform.copy_(best["transform"])
+            final = float(span_loss(rows, transform, contribution, objective))
     info = {"objective": objective, "sample_tokens": rows.x.shape[0], "loss_start": initial, "loss_end": final,
-            "l1_penalty": config.l1_penalty}
+            "l1_penalty": config.l1_penalty, **({"diverged": diverged} if diverged else {})}
     return transform.detach().double(), info
