@@ -126,9 +126,11 @@ def render_healing(results: dict) -> str:
     return "\n".join(lines + ["", _provenance_line(results["provenance"])])
 
 
-def render_gemma(results: dict) -> str:
+def render_gemma(parts: list[dict]) -> str:
     """Issue #12: the sandwich folds on Gemma-3-270m with today's defaults, and how well the criteria's
-    post-norm proxy ranks the spans the real fold replaces."""
+    post-norm proxy ranks the spans the real fold replaces (the placement study: ``--placement`` in the
+    same run, or a separate ``bench/span_placement.py`` run as the second file)."""
+    results = parts[0]
     blocks = results["removed_blocks"]
     lines = [f"Selected span: blocks {_span(blocks)} (criterion `{results['selection']['criterion']}`, which scores "
              f"{results['selection'].get('scored_map') or 'the folded map'}); `auto` chose `{results['auto_regime']}`.", "",
@@ -137,7 +139,7 @@ def render_gemma(results: dict) -> str:
     for label, ppl in results["perplexity"].items():
         error = errors.get(label)
         lines.append(f"| {label} | {'-' if error is None else f'{error:.4f}'} | {ppl:.2f} |")
-    placement = results.get("placement")
+    placement = results.get("placement") or (parts[1] if len(parts) > 1 else None)
     if placement:
         windows = f", WikiText-2 ppl on the first {placement['ppl_windows']} windows" if "ppl_windows" in placement else ""
         lines += ["", f"Every start for {placement['blocks']} blocks, each through `compress --span-start` (its own "
@@ -148,7 +150,10 @@ def render_gemma(results: dict) -> str:
                          f"{value['choice_perplexity']:.2f} |")
         best = placement["best"]
         lines.append(f"| (best start) | - | {best['start']} | {best['perplexity']:.2f} |")
-    return "\n".join(lines + ["", _provenance_line(results["provenance"])])
+        lines += ["", "Per start (removed blocks start..start+{}): ".format(placement["blocks"] - 1) + "; ".join(
+            f"{row['start']}: {row['perplexity']:.1f}" + (f" ({row['regime']})" if "regime" in row else "")
+            for row in placement["rows"]) + "."]
+    return "\n".join(lines + [""] + [f"- {_provenance_line(part['provenance'])}" for part in parts])
 
 
 def render_defaults(parts: list[dict]) -> str:
@@ -319,7 +324,7 @@ SECTIONS: dict[str, tuple[str | tuple[str, ...], Callable]] = {
     "scale": ("scale.json", render_scale),
     "packing": ("calibration_packing.json", render_packing),
     "healing": ("healing.json", render_healing),
-    "gemma": ("gemma_sandwich.json", render_gemma),
+    "gemma": (("gemma_sandwich.json",), render_gemma),
     "nbl": (("nbl_baselines.json", "nbl_baselines_part2.json", "nbl_baselines_part3.json", "nbl_baselines_part4.json"),
             render_nbl),
     "nbl-gemma": (("nbl_gemma.json",), render_nbl),
