@@ -90,3 +90,19 @@ def test_defaults_table_keeps_one_row_per_map_and_merges_studies_from_two_files(
     assert "### m: ReplaceMe's span criterion" in table and "### m: ReplaceMe's map on the default span" in table
     assert "| **lstsq** (default) | 3-4 |" in table and "| orthogonal | 3-4 |" in table
     assert "- `bench/x.py`" in table and "- `bench/y.py`" in table
+
+
+def test_gemma_section_takes_the_placement_study_from_a_separate_run(render):
+    main = {"removed_blocks": [7, 8, 9, 10], "selection": {"criterion": "fit_error_stream", "scored_map": "post-norm lstsq"},
+            "auto_regime": "through-norm", "perplexity": {"original": 62.06, "folded: through-norm": 188.92},
+            "relative_fit_error": {"folded: through-norm": 0.1357}, "provenance": PROVENANCE}
+    placement = {"blocks": 4, "ppl_windows": 12, "provenance": {**PROVENANCE, "command": "bench/span_placement.py"},
+                 "rows": [{"start": 1, "perplexity": 900.0, "regime": "linearized-norm"},
+                          {"start": 7, "perplexity": 190.0, "regime": "through-norm"}],
+                 "criteria": {"fit_error_stream": {"spearman_with_log_ppl": 1.0, "choice": 7, "choice_perplexity": 190.0}},
+                 "best": {"start": 7, "perplexity": 190.0}}
+    table = render.render_gemma([main, placement])
+    assert "| fit_error_stream | 1.000 | 7 | 190.00 |" in table
+    assert "1: 900.0 (linearized-norm); 7: 190.0 (through-norm)." in table
+    assert "first 12 windows" in table and "- `bench/span_placement.py`" in table
+    assert "placement" not in render.render_gemma([main]).lower()
