@@ -113,17 +113,21 @@ def render_packing(results: dict) -> str:
     return "\n".join(lines + ["", _provenance_line(results["provenance"])])
 
 
-def render_healing(results: dict) -> str:
-    """Issue #12: healing a compressed checkpoint, perplexity before and after."""
-    lines = [f"{results['model']}, {results['blocks']} blocks removed with today's defaults (fold: "
-             f"{results.get('regime') or 'exact'}).", "",
-             "| mode | steps × tokens | trained parameters | training loss | WikiText-2 ppl before → after |",
-             "|---|---|---|---|---|"]
-    for run in results["runs"]:
-        lines.append(f"| {run['mode']} | {run['settings']['steps']} × 4 × 256, lr {run['settings']['learning_rate']:g} | "
-                     f"{run['trained_parameters']:,} | {run['loss_first_steps']:.3f} → {run['loss_last_steps']:.3f} | "
-                     f"{run['before']:.2f} → **{run['after']:.2f}** |")
-    return "\n".join(lines + ["", _provenance_line(results["provenance"])])
+def render_healing(parts: list[dict]) -> str:
+    """Issue #12: healing a compressed checkpoint, perplexity before and after; one table per fold."""
+    lines = []
+    for results in parts:
+        forced = (results.get("recipe") or {}).get("settings", {}).get("sandwich_fold", "auto") != "auto"
+        lines += [f"{results['model']}, {results['blocks']} blocks removed with today's defaults"
+                  f"{', the fold forced' if forced else ''} (fold: {results.get('regime') or 'exact'}).", "",
+                  "| mode | steps × tokens | trained parameters | training loss | WikiText-2 ppl before → after |",
+                  "|---|---|---|---|---|"]
+        for run in results["runs"]:
+            lines.append(f"| {run['mode']} | {run['settings']['steps']} × 4 × 256, lr {run['settings']['learning_rate']:g} | "
+                         f"{run['trained_parameters']:,} | {run['loss_first_steps']:.3f} → {run['loss_last_steps']:.3f} | "
+                         f"{run['before']:.2f} → **{run['after']:.2f}** |")
+        lines += ["", f"- {_provenance_line(results['provenance'])}", ""]
+    return "\n".join(lines).rstrip("\n")
 
 
 def render_gemma(parts: list[dict]) -> str:
@@ -323,7 +327,7 @@ def render_nbl(parts: list[dict]) -> str:
 SECTIONS: dict[str, tuple[str | tuple[str, ...], Callable]] = {
     "scale": ("scale.json", render_scale),
     "packing": ("calibration_packing.json", render_packing),
-    "healing": ("healing.json", render_healing),
+    "healing": (("healing.json",), render_healing),
     "gemma": (("gemma_sandwich.json",), render_gemma),
     "nbl": (("nbl_baselines.json", "nbl_baselines_part2.json", "nbl_baselines_part3.json", "nbl_baselines_part4.json"),
             render_nbl),
