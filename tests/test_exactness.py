@@ -12,6 +12,7 @@ from conftest import handle_of, random_calibration, stream, tiny_model
 import blockfold
 from blockfold.adapters import get_adapter
 from blockfold.data import CalibrationSet
+from blockfold.errors import BlockfoldError
 from blockfold.estimate import fit_lstsq
 from blockfold.stats import SpanStatistics
 from blockfold.surgery import fold_into_down_proj, remove_blocks
@@ -219,3 +220,25 @@ def test_attention_capture_decomposes_each_block(arch):
 
     stream(model, random_calibration(num_sequences=4), [_Check()])
     assert len(seen) == 6 and max(seen) < 1e-5
+
+
+def test_a_through_norm_fit_that_is_not_finite_is_skipped_by_auto_and_refused_when_forced(tokenizer, monkeypatch):
+    """Gemma-3-270m at some starts: the through-norm start point divides by a norm scale of 0, its loss is
+    NaN, and a NaN compared with min() could have chosen it. auto now folds the finite form; forcing the
+    broken one is one clear line."""
+    import blockfold.methods.replaceme as replaceme
+
+    real_fit = replaceme.fit_numerically
+
+    def broken_through_norm(rows, init, config, objective, contribution=None):
+        if contribution is None:
+            return real_fit(rows, init, config, objective)
+        return init * float("nan"), {"objective": objective, "loss_start": float("nan"), "loss_end": float("nan")}
+
+    monkeypatch.setattr(replaceme, "fit_numerically", broken_through_norm)
+    manifest = blockfold.compress(tiny_model("gemma3_text"), tokenizer, {"blocks": 2},
+                                  calibration=random_calibration()).manifest
+    assert manifest["transform"]["regime"] == "linearized-norm"
+    with pytest.raises(BlockfoldError, match="through-norm fit of span .* is not finite.*--sandwich-fold linearized-norm"):
+        blockfold.compress(tiny_model("gemma3_text"), tokenizer, {"blocks": 2, "sandwich_fold": "through-norm"},
+                           calibration=random_calibration())

@@ -213,9 +213,17 @@ def _fit_sandwich(job: Job, start: int, length: int, equations: NormalEquations)
     with torch.no_grad():
         losses = {"linearized-norm": float(span_loss(device_rows, linear.float(), linear_contribution, objective)),
                   "through-norm": through_info["loss_end"]}
-    regime = min(losses, key=losses.get) if settings.sandwich_fold == "auto" else settings.sandwich_fold
+    finite = {name: loss for name, loss in losses.items() if math.isfinite(loss)}
+    span = f"{start}-{start + length - 1}"
+    if not finite:
+        raise BlockfoldError(f"neither sandwich fold of span {span} has a finite loss on the calibration sample: "
+                             "the block's activations are not finite; check the model's weights and dtype")
+    regime = min(finite, key=finite.get) if settings.sandwich_fold == "auto" else settings.sandwich_fold
     if settings.estimator in ("diagonal", "orthogonal", "lowrank"):  # the constraint holds on T only there
         regime = "linearized-norm"
+    if regime not in finite:  # forced through a fold whose fit is not finite (a norm scale of 0, say)
+        raise BlockfoldError(f"the {regime} fit of span {span} is not finite on the calibration sample: "
+                             f"use --sandwich-fold {next(iter(finite))} (or auto, which skips a fold that fails)")
     info.update({"regime": regime, "sample_loss_per_regime": losses, "objective": objective,
                  "linearized_norm": linear_info, "through_norm": through_info})
     if regime == "linearized-norm":
