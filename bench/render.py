@@ -328,7 +328,7 @@ SECTIONS: dict[str, tuple[str | tuple[str, ...], Callable]] = {
     "scale": ("scale.json", render_scale),
     "packing": ("calibration_packing.json", render_packing),
     "healing": (("healing.json",), render_healing),
-    "gemma": (("gemma_sandwich.json",), render_gemma),
+    "gemma": (("gemma_sandwich.json", "gemma_placement.json"), render_gemma),
     "nbl": (("nbl_baselines.json", "nbl_baselines_part2.json", "nbl_baselines_part3.json", "nbl_baselines_part4.json"),
             render_nbl),
     "nbl-gemma": (("nbl_gemma.json",), render_nbl),
