@@ -273,7 +273,7 @@ def _run_label(run: dict) -> str:
 
     method, criterion = _ranking(run)
     name = _METHOD_NAMES.get(method, method)
-    if method == "drop-attn" or method == "drop-block" or method == "sleb":
+    if method in ("drop-attn", "drop-block", "sleb"):  # no ranking to name
         return name
     if criterion is None:
         return f"{name} (ranking not recorded)"
