@@ -192,14 +192,28 @@ def test_linearized_norm_fold_matches_explicit_linear_map(arch):
 
 
 @pytest.mark.parametrize("estimator", ["lstsq", "cosine"])
-def test_sandwich_fit_records_both_regimes_and_never_worse_than_either(estimator, tokenizer):
+def test_sandwich_fold_is_chosen_on_tokens_the_fits_did_not_sample(estimator, tokenizer):
+    """auto compares the folds on held-out tokens: on the fit sample the through-norm refit, which
+    saw it, looked better than it was and auto chose the worse fold on Gemma-3-270m."""
     model = tiny_model("gemma3_text")
-    recipe = {"blocks": 2, "estimator": estimator, "cosine": {"steps": 10}}
+    recipe = {"blocks": 2, "estimator": estimator, "cosine": {"steps": 10, "max_tokens": 64}}
     manifest = blockfold.compress(model, tokenizer, recipe, calibration=random_calibration()).manifest
     fit = manifest["transform"]
-    losses = fit["sample_loss_per_regime"]
+    losses = fit["held_out_loss_per_regime"]
+    assert fit["compared_on"].endswith(" held-out calibration tokens")
     assert fit["regime"] == min(losses, key=losses.get)
+    assert losses != fit["sample_loss_per_regime"]
     assert fit["through_norm"]["loss_end"] <= fit["through_norm"]["loss_start"] + 1e-6
+
+
+def test_sandwich_fold_compared_on_the_fit_sample_says_so(tokenizer, caplog):
+    """A calibration set no larger than the fit sample leaves nothing to hold out: say it, and warn."""
+    model = tiny_model("gemma3_text")
+    with caplog.at_level("WARNING", logger="blockfold.methods.replaceme"):
+        fit = blockfold.compress(model, tokenizer, {"blocks": 2}, calibration=random_calibration()).manifest["transform"]
+    assert fit["compared_on"].startswith("the fit sample")
+    assert fit["held_out_loss_per_regime"] == fit["sample_loss_per_regime"]
+    assert "compared on tokens the through-norm fit has seen" in caplog.text
 
 
 def test_attention_capture_decomposes_each_block(arch):

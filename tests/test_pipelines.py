@@ -75,13 +75,27 @@ def test_every_method_runs_layer_by_layer_with_the_same_result(recipe, tmp_path)
 
 
 def test_sandwich_fits_sample_the_same_tokens_however_grouped(tmp_path):
-    """Gemma's fits use a token subsample: the same tokens whatever the chunking, so the same maps."""
+    """Gemma's fits use a token subsample, and auto a held-out one: the same tokens whatever the
+    chunking, so the same maps and the same choice."""
     folder = _saved_folder("gemma3_text", tmp_path)
-    for fold in ("linearized-norm", "through-norm"):
-        (whole, sequential), (mw, ms) = _compress_both(folder, {"blocks": 2, "sandwich_fold": fold, "cosine": {"steps": 5}},
-                                                       tmp_path / fold, random_calibration(num_sequences=8))
-        assert mw["transform"]["regime"] == ms["transform"]["regime"] == fold
+    for fold in ("linearized-norm", "through-norm", "auto"):
+        recipe = {"blocks": 2, "sandwich_fold": fold, "cosine": {"steps": 5, "max_tokens": 64}}
+        (whole, sequential), (mw, ms) = _compress_both(folder, recipe, tmp_path / fold, random_calibration(num_sequences=8))
+        assert mw["transform"]["regime"] == ms["transform"]["regime"] == fold.replace("auto", mw["transform"]["regime"])
+        assert mw["transform"]["held_out_loss_per_regime"] == ms["transform"]["held_out_loss_per_regime"]
         _assert_same_weights(whole, sequential)
+
+
+def test_held_out_tokens_are_disjoint_from_the_fit_sample():
+    from blockfold.stats.sample import TokenSampler
+
+    fit = TokenSampler(300, 1000, seed=0)
+    held_out = TokenSampler(300, 1000, seed=0, excluding=fit)  # the same seed: only the exclusion keeps them apart
+    kept_fit, kept_held_out = fit.next(1000, torch.device("cpu")), held_out.next(1000, torch.device("cpu"))
+    assert not (kept_fit & kept_held_out).any()
+    assert int(kept_held_out.sum()) == 300
+    everything = TokenSampler(1000, 1000)
+    assert not TokenSampler(64, 1000, excluding=everything).next(1000, torch.device("cpu")).any()
 
 
 def test_disk_offload_and_chunking_change_nothing(tmp_path):

@@ -363,8 +363,8 @@ def cmd_compress(args) -> int:
     if fit:
         rows.append(("relative fit error", f"{fit['relative_fit_error']:.4f} (plain removal {fit['relative_error_plain_removal']:.4f})"))
     if fit and "regime" in fit:
-        rows.append(("post-MLP norm treatment", f"{fit['regime']} (sample loss "
-                     + ", ".join(f"{k} {v:.4f}" for k, v in fit["sample_loss_per_regime"].items()) + ")"))
+        rows.append(("post-MLP norm treatment", f"{fit['regime']} (loss on {fit['compared_on']}: "
+                     + ", ".join(f"{k} {v:.4f}" for k, v in fit["held_out_loss_per_regime"].items()) + ")"))
     if fit and "numerical_fit" in fit:
         nf = fit["numerical_fit"]
         rows.append((f"numerical fit ({nf['objective']})", f"loss {nf['loss_start']:.4f} -> {nf['loss_end']:.4f} on {nf['sample_tokens']} tokens"))

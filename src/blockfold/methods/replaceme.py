@@ -21,6 +21,7 @@ after its own fix, with one pass per round.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 
@@ -34,6 +35,8 @@ from blockfold.settings import ReplaceMe
 from blockfold.stats import NormalEquations, SpanSample, SpanStatistics, SpanTable
 from blockfold.stats.similarity import StreamMoments, StreamSimilarity
 from blockfold.surgery import fold_into_down_proj, fold_through_linearized_norm, remove_blocks
+
+logger = logging.getLogger(__name__)
 
 #: criteria that score the fitted map, so every candidate needs its normal equations
 _FIT_CRITERIA = frozenset({"fit_error", "fit_error_stream"})
@@ -178,18 +181,21 @@ def _fit_prenorm(job: Job, start: int, length: int, equations: NormalEquations) 
 def _fit_sandwich(job: Job, start: int, length: int, equations: NormalEquations) -> FittedMap:
     """Sandwich blocks: a post-MLP norm sits between down_proj and the residual (docs/gemma.md).
 
-    Two exact-to-fold regimes are fitted and the one with the lower loss on the token sample kept:
+    Two exact-to-fold regimes are fitted and the one with the lower loss on held-out tokens kept:
     ``linearized-norm`` fits T on the down-projection output z (closed form over all tokens) and
     makes the norm linear; ``through-norm`` folds B = diag(g) T diag(1/g) from the post-norm fit
-    and refits B with the norm in the loop.
+    and refits B with the norm in the loop on a token sample. Comparing them on that sample favoured
+    the through-norm refit, which had seen it, and chose the worse fold (BENCHMARKS.md, Gemma).
     """
     settings: ReplaceMe = job.settings
     if settings.estimator == "identity":
         return FittedMap(*closed_form_map(settings, equations))
     sample = SpanSample(start, length, settings.cosine.max_tokens, job.calibration.num_tokens, pre_norm=True,
                         seed=job.seed)
+    held_out = SpanSample(start, length, max(64, settings.cosine.max_tokens // 4), job.calibration.num_tokens,
+                          pre_norm=True, seed=job.seed + 1, held_out_from=sample)
     z_statistics = SpanStatistics(job.num_layers, 0, length, starts=[start], inputs="down_out", stream_weighted=False)
-    job.run([sample, z_statistics], description="sampling span rows")
+    job.run([sample, held_out, z_statistics], description="sampling span rows")
     rows = sample.rows()
     z_equations = z_statistics.finalize().normal_equations[start]
     objective = "cosine" if settings.estimator == "cosine" else "mse"
@@ -209,10 +215,22 @@ def _fit_sandwich(job: Job, start: int, length: int, equations: NormalEquations)
     through, through_info = fit_numerically(rows, scale[:, None] * post_norm_transform / scale[None, :],
                                             settings.cosine, objective, through_norm)
 
-    device_rows = rows.to(linear.device)
-    with torch.no_grad():
-        losses = {"linearized-norm": float(span_loss(device_rows, linear.float(), linear_contribution, objective)),
-                  "through-norm": through_info["loss_end"]}
+    def losses_on(sample_rows, measure: str = objective) -> dict[str, float]:
+        device_rows = sample_rows.to(linear.device)
+        with torch.no_grad():
+            return {"linearized-norm": float(span_loss(device_rows, linear.float(), linear_contribution, measure)),
+                    "through-norm": float(span_loss(device_rows, through.float(), through_norm, measure))}
+
+    sample_losses = losses_on(rows)
+    if held_out.has_rows():
+        held_out_rows = held_out.rows()
+        losses, compared_on = losses_on(held_out_rows), f"{len(held_out_rows.x)} held-out calibration tokens"
+        info["held_out_cosine_distance_per_regime"] = losses_on(held_out_rows, "cosine")
+    else:  # the fit sample holds every calibration token: nothing is left to hold out
+        losses, compared_on = sample_losses, "the fit sample (the calibration set left no token out of it)"
+        logger.warning("span %d-%d: the calibration set is no larger than the fit sample (%d tokens), so the two "
+                       "sandwich folds are compared on tokens the through-norm fit has seen; calibrate on more text "
+                       "for a fair choice", start, start + length - 1, settings.cosine.max_tokens)
     finite = {name: loss for name, loss in losses.items() if math.isfinite(loss)}
     span = f"{start}-{start + length - 1}"
     if not finite:
@@ -224,11 +242,12 @@ def _fit_sandwich(job: Job, start: int, length: int, equations: NormalEquations)
     if regime not in finite:  # forced through a fold whose fit is not finite (a norm scale of 0, say)
         raise BlockfoldError(f"the {regime} fit of span {span} is not finite on the calibration sample: "
                              f"use --sandwich-fold {next(iter(finite))} (or auto, which skips a fold that fails)")
-    info.update({"regime": regime, "sample_loss_per_regime": losses, "objective": objective,
+    info.update({"regime": regime, "held_out_loss_per_regime": losses, "compared_on": compared_on,
+                 "sample_loss_per_regime": sample_losses, "objective": objective,
                  "linearized_norm": linear_info, "through_norm": through_info})
     if regime == "linearized-norm":
         info["relative_fit_error"] = linear_info["relative_fit_error"]
-        output_rms = float((device_rows.x.double() @ linear).pow(2).mean(-1).sqrt().max())
+        output_rms = float((rows.x.to(linear.device).double() @ linear).pow(2).mean(-1).sqrt().max())
         return FittedMap(linear, info, regime, output_rms)
     with torch.no_grad():  # relative squared error on the sample, whatever the objective was
         info["relative_fit_error"] = float(span_loss(rows.to(through.device), through.float(), through_norm, "mse"))

@@ -31,9 +31,17 @@ class TokenSampler:
     token by its place in the calibration set: the same tokens are kept however a pipeline groups
     the sequences (batches, or chunks run layer by layer), as long as it keeps their order."""
 
-    def __init__(self, max_tokens: int, total_tokens: int, seed: int = 0):
-        probability = min(1.0, max_tokens / max(total_tokens, 1))
-        self._decisions = torch.rand(total_tokens, generator=torch.Generator().manual_seed(seed)) < probability
+    def __init__(self, max_tokens: int, total_tokens: int, seed: int = 0, excluding: "TokenSampler | None" = None):
+        """``excluding``: keep ``max_tokens`` of the tokens that sampler does not keep, chosen at random
+        (a held-out sample, disjoint from a fit's, whatever the two seeds)."""
+        generator = torch.Generator().manual_seed(seed)
+        if excluding is None:
+            probability = min(1.0, max_tokens / max(total_tokens, 1))
+            self._decisions = torch.rand(total_tokens, generator=generator) < probability
+        else:
+            order = torch.randperm(total_tokens, generator=generator)
+            self._decisions = torch.zeros(total_tokens, dtype=torch.bool)
+            self._decisions[order[~excluding._decisions[order]][:max_tokens]] = True
         self._seen = 0
 
     def next(self, count: int, device: torch.device) -> torch.Tensor:
@@ -48,12 +56,15 @@ class TokenSampler:
 class SpanSample:
     """Observer: the rows of a random subset of tokens (at most ``max_tokens``) for one span's numerical fit."""
 
-    def __init__(self, start: int, length: int, max_tokens: int, total_tokens: int, pre_norm: bool, seed: int = 0):
+    def __init__(self, start: int, length: int, max_tokens: int, total_tokens: int, pre_norm: bool, seed: int = 0,
+                 held_out_from: "SpanSample | None" = None):
+        """``held_out_from``: sample only tokens that sample does not hold, to compare fits made on it."""
         self.start, self.length = start, length
         self.last_layer = start + length - 1
         self.max_tokens = max_tokens
         self.pre_norm = pre_norm
-        self.sampler = TokenSampler(max_tokens, total_tokens, seed)
+        self.sampler = TokenSampler(max_tokens, total_tokens, seed,
+                                    excluding=None if held_out_from is None else held_out_from.sampler)
         self._keep: torch.Tensor | None = None
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
         self._rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
@@ -75,6 +86,10 @@ class SpanSample:
 
     def sums_bytes(self, hidden_size: int) -> int:
         return 3 * self.max_tokens * hidden_size * 4
+
+    def has_rows(self) -> bool:
+        """False when no token was kept (a held-out sample of a calibration set the fit sample took whole)."""
+        return any(len(x) for x, _, _ in self._rows)
 
     def rows(self) -> SpanRows:
         x, attn, target = (torch.cat(parts)[: self.max_tokens] for parts in zip(*self._rows))

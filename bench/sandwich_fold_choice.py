@@ -1,0 +1,97 @@
+"""Does ``--sandwich-fold auto`` choose the better fold? Both folds at every start, on Gemma-3-270m.
+
+    .venv/bin/python bench/sandwich_fold_choice.py --model gemma3-270m --blocks 4 --ppl-windows 12
+
+For each start of a span of ``--blocks`` blocks, compress builds the model twice, once with each
+fold forced (linearized-norm, through-norm), and its perplexity is measured. Each run records both
+folds' losses on the token sample the through-norm map was refitted on and on held-out calibration
+tokens; the question is which comparison picks the fold with the lower perplexity, and what the
+choice costs when it does not. Calibration and perplexity text as in the Gemma section.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+import blockfold
+from blockfold.api import provenance
+from blockfold.data import build_calibration
+from blockfold.eval import perplexity, read_eval_text, tokenize_windows
+from blockfold.methods import PassCache
+from blockfold.recipe import CalibrationConfig, Recipe
+
+DATA = Path(os.environ.get("BLOCKFOLD_DATA", "../shared/data"))
+FOLDS = ("linearized-norm", "through-norm")
+
+
+def _pick(losses: dict[str, float]) -> str:
+    finite = {fold: loss for fold, loss in losses.items() if math.isfinite(loss)}
+    return min(finite, key=finite.get)
+
+
+def summarize(rows: list[dict]) -> dict:
+    """For each way of comparing the folds: how often it picks the fold with the lower perplexity,
+    and the geometric-mean perplexity ratio of its picks to the better fold's."""
+    summary = {}
+    for rule, key in (("objective on the fit sample", "sample_loss"), ("objective on held-out tokens", "held_out_loss"),
+                      ("cosine distance on held-out tokens", "held_out_cosine")):
+        picks = [_pick(row[key]) for row in rows]
+        right = sum(pick == row["better"] for pick, row in zip(picks, rows))
+        ratios = [row["perplexity"][pick] / row["perplexity"][row["better"]] for pick, row in zip(picks, rows)]
+        summary[rule] = {"right": right, "of": len(rows),
+                         "geomean_ppl_ratio_to_better": math.exp(sum(map(math.log, ratios)) / len(ratios)),
+                         "worst_ppl_ratio_to_better": max(ratios)}
+    return summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="gemma3-270m")
+    parser.add_argument("--blocks", type=int, default=4)
+    parser.add_argument("--starts", default="", help="comma-separated starts (default: every admissible start)")
+    parser.add_argument("--calib", default=str(DATA / "c4_demo.jsonl"))
+    parser.add_argument("--calib-docs", type=int, default=128)
+    parser.add_argument("--ppl", default=str(DATA / "wikitext2_test.txt"))
+    parser.add_argument("--ppl-windows", type=int, default=12)
+    parser.add_argument("--json", default="bench/results/sandwich_fold_choice.json")
+    args = parser.parse_args()
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    started = provenance(["bench/sandwich_fold_choice.py", *sys.argv[1:]])
+
+    handle = blockfold.open_model(args.model)
+    config = CalibrationConfig(source=args.calib, max_documents=args.calib_docs)
+    calibration = build_calibration(config, handle.tokenizer)
+    windows = tokenize_windows(read_eval_text(args.ppl), handle.tokenizer, 512, args.ppl_windows)
+    num_layers = handle.adapter.num_layers(handle.model)
+    starts = [int(s) for s in args.starts.split(",") if s] or list(range(1, num_layers - args.blocks + 1))
+    cache = PassCache()
+    rows = []
+    for start in starts:
+        row = {"start": start, "perplexity": {}}
+        for fold in FOLDS:
+            recipe = Recipe(blocks=args.blocks, span_start=start, sandwich_fold=fold, calibration=config)
+            compressed = blockfold.compress(handle.fresh_copy(), recipe=recipe, calibration=calibration, cache=cache)
+            row["perplexity"][fold] = perplexity(compressed.model, windows, description=f"{start} {fold}")["perplexity"]
+            fit = compressed.manifest["transform"]
+            row.update(sample_loss=fit["sample_loss_per_regime"], held_out_loss=fit["held_out_loss_per_regime"],
+                       held_out_cosine=fit["held_out_cosine_distance_per_regime"], compared_on=fit["compared_on"])
+            row.setdefault("recipes", {})[fold] = compressed.recipe.model_dump(mode="json")
+            del compressed
+        row["better"] = min(row["perplexity"], key=row["perplexity"].get)
+        rows.append(row)
+        print(start, json.dumps({k: row[k] for k in ("perplexity", "sample_loss", "held_out_loss", "held_out_cosine")}),
+              flush=True)
+        Path(args.json).write_text(json.dumps({"rows": rows, "partial": True}, indent=2))  # survives a stopped run
+    out = {"model": args.model, "blocks": args.blocks, "calibration": calibration.description,
+           "ppl_windows": args.ppl_windows, "rows": rows, "summary": summarize(rows), "provenance": started}
+    Path(args.json).write_text(json.dumps(out, indent=2))
+    print(json.dumps(out["summary"], indent=2))
+
+
+if __name__ == "__main__":
+    main()
