@@ -36,6 +36,11 @@ def _provenance_line(provenance: dict) -> str:
             f"torch {provenance.get('torch')}, transformers {provenance.get('transformers')}")
 
 
+def _footer(parts: list[dict]) -> list[str]:
+    """One provenance line per results file a section merges."""
+    return [f"- {_provenance_line(part['provenance'])}" for part in parts]
+
+
 def render_scale(results: dict) -> str:
     """Issue #11: memory against depth, the small model's memory and cost, weights never resident, a
     model larger than the machine."""
@@ -126,7 +131,7 @@ def render_healing(parts: list[dict]) -> str:
             lines.append(f"| {run['mode']} | {run['settings']['steps']} × 4 × 256, lr {run['settings']['learning_rate']:g} | "
                          f"{run['trained_parameters']:,} | {run['loss_first_steps']:.3f} → {run['loss_last_steps']:.3f} | "
                          f"{run['before']:.2f} → **{run['after']:.2f}** |")
-        lines += ["", f"- {_provenance_line(results['provenance'])}", ""]
+        lines += ["", *_footer([results]), ""]
     return "\n".join(lines).rstrip("\n")
 
 
@@ -157,7 +162,30 @@ def render_gemma(parts: list[dict]) -> str:
         lines += ["", "Per start (removed blocks start..start+{}): ".format(placement["blocks"] - 1) + "; ".join(
             f"{row['start']}: {row['perplexity']:.1f}" + (f" ({row['regime']})" if "regime" in row else "")
             for row in placement["rows"]) + "."]
-    return "\n".join(lines + [""] + [f"- {_provenance_line(part['provenance'])}" for part in parts])
+    return "\n".join(lines + [""] + _footer(parts))
+
+
+def render_fold_choice(results: dict) -> str:
+    """Issue #12: both sandwich folds at every start, and how often each way of comparing them picks the
+    fold with the lower perplexity."""
+    lines = [f"{results['model']}, {results['blocks']} blocks, every start with each fold forced; WikiText-2 ppl on "
+             f"the first {results['ppl_windows']} windows; losses on the through-norm fit's token sample and on "
+             "held-out calibration tokens (linearized-norm / through-norm).", "",
+             "| start | ppl linearized-norm | ppl through-norm | loss on fit sample | loss held out | "
+             "cosine distance held out |", "|---|---|---|---|---|---|"]
+    for row in results["rows"]:
+        ppl = row["perplexity"]
+        cells = ["fit not finite" if f not in ppl else f"**{ppl[f]:.2f}**" if f == row["better"] else f"{ppl[f]:.2f}"
+                 for f in ("linearized-norm", "through-norm")]
+        pairs = [f"{row[k]['linearized-norm']:.4f} / {row[k]['through-norm']:.4f}"
+                 for k in ("sample_loss", "held_out_loss", "held_out_cosine")]
+        lines.append(f"| {row['start']} | " + " | ".join(cells + pairs) + " |")
+    lines += ["", "| auto compares the folds by | picks the better fold | geo-mean ppl over the better fold's | worst |",
+              "|---|---|---|---|"]
+    for rule, summary in results["summary"].items():
+        lines.append(f"| {rule} | {summary['right']} of {summary['of']} | {summary['geomean_ppl_ratio_to_better']:.3f} | "
+                     f"{summary['worst_ppl_ratio_to_better']:.3f} |")
+    return "\n".join(lines + [""] + _footer([results]))
 
 
 def render_defaults(parts: list[dict]) -> str:
@@ -200,7 +228,7 @@ def render_defaults(parts: list[dict]) -> str:
             lines.append("| default / best | - | " + " | ".join(
                 f"{study['verdict'][t]['default_over_best']:.3f}" for t in texts) + " |")
             lines.append("")
-    return "\n".join(lines + [f"- {_provenance_line(part['provenance'])}" for part in parts])
+    return "\n".join(lines + _footer(parts))
 
 
 def _measured(run: dict, results: dict) -> str:
@@ -329,6 +357,7 @@ SECTIONS: dict[str, tuple[str | tuple[str, ...], Callable]] = {
     "packing": ("calibration_packing.json", render_packing),
     "healing": (("healing.json",), render_healing),
     "gemma": (("gemma_sandwich.json", "gemma_placement.json"), render_gemma),
+    "fold-choice": ("sandwich_fold_choice.json", render_fold_choice),
     "nbl": (("nbl_baselines.json", "nbl_baselines_part2.json", "nbl_baselines_part3.json", "nbl_baselines_part4.json"),
             render_nbl),
     "nbl-gemma": (("nbl_gemma.json",), render_nbl),

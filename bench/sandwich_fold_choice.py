@@ -3,7 +3,8 @@
     .venv/bin/python bench/sandwich_fold_choice.py --model gemma3-270m --blocks 4 --ppl-windows 12
 
 For each start of a span of ``--blocks`` blocks, compress builds the model twice, once with each
-fold forced (linearized-norm, through-norm), and its perplexity is measured. Each run records both
+fold forced (linearized-norm, through-norm), and its perplexity is measured (a forced fold whose fit is
+not finite is recorded as failed; auto skips it). Each run records both
 folds' losses on the token sample the through-norm map was refitted on and on held-out calibration
 tokens; the question is which comparison picks the fold with the lower perplexity, and what the
 choice costs when it does not. Calibration and perplexity text as in the Gemma section.
@@ -21,6 +22,7 @@ from pathlib import Path
 import blockfold
 from blockfold.api import provenance
 from blockfold.data import build_calibration
+from blockfold.errors import BlockfoldError
 from blockfold.eval import perplexity, read_eval_text, tokenize_windows
 from blockfold.methods import PassCache
 from blockfold.recipe import CalibrationConfig, Recipe
@@ -42,7 +44,7 @@ def summarize(rows: list[dict]) -> dict:
                       ("cosine distance on held-out tokens", "held_out_cosine")):
         picks = [_pick(row[key]) for row in rows]
         right = sum(pick == row["better"] for pick, row in zip(picks, rows))
-        ratios = [row["perplexity"][pick] / row["perplexity"][row["better"]] for pick, row in zip(picks, rows)]
+        ratios = [row["perplexity"].get(pick, math.inf) / row["perplexity"][row["better"]] for pick, row in zip(picks, rows)]
         summary[rule] = {"right": right, "of": len(rows),
                          "geomean_ppl_ratio_to_better": math.exp(sum(map(math.log, ratios)) / len(ratios)),
                          "worst_ppl_ratio_to_better": max(ratios)}
@@ -75,14 +77,18 @@ def main() -> None:
         row = {"start": start, "perplexity": {}}
         for fold in FOLDS:
             recipe = Recipe(blocks=args.blocks, span_start=start, sandwich_fold=fold, calibration=config)
-            compressed = blockfold.compress(handle.fresh_copy(), recipe=recipe, calibration=calibration, cache=cache)
+            try:
+                compressed = blockfold.compress(handle.fresh_copy(), recipe=recipe, calibration=calibration, cache=cache)
+            except BlockfoldError as err:  # a forced fold whose fit is not finite: auto would skip it
+                row.setdefault("failed", {})[fold] = str(err)
+                continue
             row["perplexity"][fold] = perplexity(compressed.model, windows, description=f"{start} {fold}")["perplexity"]
             fit = compressed.manifest["transform"]
             row.update(sample_loss=fit["sample_loss_per_regime"], held_out_loss=fit["held_out_loss_per_regime"],
                        held_out_cosine=fit["held_out_cosine_distance_per_regime"], compared_on=fit["compared_on"])
             row.setdefault("recipes", {})[fold] = compressed.recipe.model_dump(mode="json")
             del compressed
-        row["better"] = min(row["perplexity"], key=row["perplexity"].get)
+        row["better"] = min(row["perplexity"], key=row["perplexity"].get)  # a failed fold has no perplexity
         rows.append(row)
         print(start, json.dumps({k: row[k] for k in ("perplexity", "sample_loss", "held_out_loss", "held_out_cosine")}),
               flush=True)
