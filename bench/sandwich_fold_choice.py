@@ -2,12 +2,12 @@
 
     .venv/bin/python bench/sandwich_fold_choice.py --model gemma3-270m --blocks 4 --ppl-windows 12
 
-For each start of a span of ``--blocks`` blocks, compress builds the model twice, once with each
-fold forced (linearized-norm, through-norm), and its perplexity is measured (a forced fold whose fit is
-not finite is recorded as failed; auto skips it). Each run records both
-folds' losses on the token sample the through-norm map was refitted on and on held-out calibration
-tokens; the question is which comparison picks the fold with the lower perplexity, and what the
-choice costs when it does not. Calibration and perplexity text as in the Gemma section.
+For each start of a span of ``--blocks`` blocks, compress builds the model with each fold
+(``--sandwich-fold compare``, which fits both and records their losses on the token sample the
+through-norm map was refitted on and on held-out calibration tokens, then the other fold forced),
+and its perplexity is measured; a fold whose fit is not finite is recorded as failed. The question
+is which comparison picks the fold with the lower perplexity, and what the choice costs when it
+does not. Calibration and perplexity text as in the Gemma section.
 """
 
 from __future__ import annotations
@@ -40,9 +40,14 @@ def summarize(rows: list[dict]) -> dict:
     """For each way of comparing the folds: how often it picks the fold with the lower perplexity,
     and the geometric-mean perplexity ratio of its picks to the better fold's."""
     summary = {}
-    for rule, key in (("objective on the fit sample", "sample_loss"), ("objective on held-out tokens", "held_out_loss"),
-                      ("cosine distance on held-out tokens", "held_out_cosine")):
-        picks = [_pick(row[key]) for row in rows]
+    for rule, key in (("objective on the fit sample (version 3's auto)", "sample_loss"),
+                      ("objective on held-out tokens (compare)", "held_out_loss"),
+                      ("cosine distance on held-out tokens", "held_out_cosine"),
+                      ("linearized-norm unless its fit is not finite (version 4's auto)", None)):
+        if key is None:
+            picks = [FOLDS[0] if math.isfinite(row["sample_loss"][FOLDS[0]]) else FOLDS[1] for row in rows]
+        else:
+            picks = [_pick(row[key]) for row in rows]
         right = sum(pick == row["better"] for pick, row in zip(picks, rows))
         ratios = [row["perplexity"].get(pick, math.inf) / row["perplexity"][row["better"]] for pick, row in zip(picks, rows)]
         summary[rule] = {"right": right, "of": len(rows),
@@ -75,18 +80,26 @@ def main() -> None:
     rows = []
     for start in starts:
         row = {"start": start, "perplexity": {}}
-        for fold in FOLDS:
+        # compare fits both folds and records their losses; the other fold is then forced
+        for fold in ("compare", "other"):
+            if fold == "other":
+                fold = next((f for f in FOLDS if f not in row["perplexity"] and f not in row["failed"]), None)
+                if fold is None:  # the fold compare did not build failed
+                    break
             recipe = Recipe(blocks=args.blocks, span_start=start, sandwich_fold=fold, calibration=config)
             try:
                 compressed = blockfold.compress(handle.fresh_copy(), recipe=recipe, calibration=calibration, cache=cache)
-            except BlockfoldError as err:  # a forced fold whose fit is not finite: auto would skip it
+            except BlockfoldError as err:  # a forced fold whose fit is not finite: compare and auto skip it
                 row.setdefault("failed", {})[fold] = str(err)
                 continue
-            row["perplexity"][fold] = perplexity(compressed.model, windows, description=f"{start} {fold}")["perplexity"]
             fit = compressed.manifest["transform"]
-            row.update(sample_loss=fit["sample_loss_per_regime"], held_out_loss=fit["held_out_loss_per_regime"],
-                       held_out_cosine=fit["held_out_cosine_distance_per_regime"], compared_on=fit["compared_on"])
-            row.setdefault("recipes", {})[fold] = compressed.recipe.model_dump(mode="json")
+            built = fit["regime"]
+            row["perplexity"][built] = perplexity(compressed.model, windows, description=f"{start} {built}")["perplexity"]
+            if fold == "compare":
+                row.update(sample_loss=fit["sample_loss_per_regime"], held_out_loss=fit["held_out_loss_per_regime"],
+                           held_out_cosine=fit["held_out_cosine_distance_per_regime"], compared_on=fit["compared_on"])
+                row["failed"] = {f: "fit not finite" for f in FOLDS if not math.isfinite(fit["sample_loss_per_regime"][f])}
+            row.setdefault("recipes", {})[built] = compressed.recipe.model_dump(mode="json")
             del compressed
         row["better"] = min(row["perplexity"], key=row["perplexity"].get)  # a failed fold has no perplexity
         rows.append(row)

@@ -100,7 +100,8 @@ def test_version_1_recipes_are_read_with_their_defaults(tmp_path):
                    "linearity_criterion: cosine\ngreedy: false\nsandwich_fold: auto\n"
                    "calibration: {num_sequences: 8}\ncosine: {max_tokens: 16384, steps: 60, learning_rate: 1.0, l1_penalty: 0.0}\n")
     recipe = Recipe.from_yaml(old)
-    assert recipe.recipe_version == 3 and recipe.settings.blocks == 3
+    assert recipe.recipe_version == 4 and recipe.settings.blocks == 3
+    assert recipe.settings.sandwich_fold == "compare"  # version 3's auto compared the folds' losses
     assert recipe.calibration.document_separator == "blank-line" and not recipe.calibration.start_every_sequence
     assert recipe.settings.criterion == "fit_error_stream" and recipe.calibration.num_sequences == 8
     again = Recipe.parse(Recipe.from_yaml(old).model_dump(mode="json"))
@@ -114,9 +115,22 @@ def test_version_2_recipes_run_as_they_did(tmp_path):
     old.write_text("recipe_version: 2\nmethod: replaceme\nsettings: {blocks: 3, ridge_alpha: 2048.0}\n"
                    "calibration: {num_sequences: 8, sequence_length: 128}\n")
     recipe = Recipe.from_yaml(old)
-    assert recipe.recipe_version == 3 and recipe.settings.ridge_alpha == 2.0
+    assert recipe.recipe_version == 4 and recipe.settings.ridge_alpha == 2.0
     assert recipe.calibration.document_separator == "blank-line" and not recipe.calibration.start_every_sequence
     assert Recipe.parse({"blocks": 3}).calibration.document_separator == "eos"
+
+
+def test_version_3_auto_fold_replays_as_compare():
+    """Version 3's auto kept the sandwich fold with the lower loss; version 4's auto folds
+    linearized-norm. A version 3 recipe, written or defaulted, still compares; a forced fold stays."""
+    for settings in ({"blocks": 3}, {"blocks": 3, "sandwich_fold": "auto"}):
+        migrated = Recipe.parse({"recipe_version": 3, "method": "replaceme", "settings": settings})
+        assert migrated.recipe_version == 4 and migrated.settings.sandwich_fold == "compare"
+    forced = Recipe.parse({"recipe_version": 3, "settings": {"blocks": 3, "sandwich_fold": "through-norm"}})
+    assert forced.settings.sandwich_fold == "through-norm"
+    plain = Recipe.parse({"recipe_version": 3, "settings": {"blocks": 3, "estimator": "identity"}})
+    assert plain.settings.sandwich_fold == "auto"  # identity folds nothing, and refuses any other value
+    assert Recipe.parse({"blocks": 3}).settings.sandwich_fold == "auto"
 
 
 def test_ridge_means_the_same_per_token_for_replaceme_and_nbl():

@@ -116,8 +116,9 @@ def _add_compress(sub) -> None:
     p.add_argument("--cosine-l1", type=float, help="cosine estimator: L1 penalty on the transform")
     p.add_argument("--criterion", choices=_choices("criterion"),
                    help="span selection (default: fit_error_stream for replaceme, angular_last for uidl)")
-    p.add_argument("--sandwich-fold", choices=["auto", "linearized-norm", "through-norm"],
-                   help="Gemma-style post-MLP norms: how to fold the map (default: the better on calibration)")
+    p.add_argument("--sandwich-fold", choices=["auto", "compare", "linearized-norm", "through-norm"],
+                   help="Gemma-style post-MLP norms: how to fold the map (default auto: linearized-norm, through-norm "
+                        "where that fit fails; compare: the lower loss on held-out calibration tokens)")
     p.add_argument("--calib", help="calibration .txt/.jsonl/.json, a datasets folder (save_to_disk) or dataset name; "
                                     "a weighted mix 'a.jsonl:0.5,b.json:0.5'; omit for self-generated text")
     p.add_argument("--text-template", help="render records with a template, e.g. '{support}\\n{question}\\n{correct_answer}'")
@@ -363,8 +364,9 @@ def cmd_compress(args) -> int:
     if fit:
         rows.append(("relative fit error", f"{fit['relative_fit_error']:.4f} (plain removal {fit['relative_error_plain_removal']:.4f})"))
     if fit and "regime" in fit:
-        rows.append(("post-MLP norm treatment", f"{fit['regime']} (loss on {fit['compared_on']}: "
-                     + ", ".join(f"{k} {v:.4f}" for k, v in fit["held_out_loss_per_regime"].items()) + ")"))
+        losses = fit.get("held_out_loss_per_regime", fit["sample_loss_per_regime"])
+        rows.append(("post-MLP norm treatment", f"{fit['regime']} (loss on {fit.get('compared_on', 'the fit sample')}: "
+                     + ", ".join(f"{k} {v:.4f}" for k, v in losses.items()) + ")"))
     if fit and "numerical_fit" in fit:
         nf = fit["numerical_fit"]
         rows.append((f"numerical fit ({nf['objective']})", f"loss {nf['loss_start']:.4f} -> {nf['loss_end']:.4f} on {nf['sample_tokens']} tokens"))

@@ -5,9 +5,11 @@ and the calibration data. It is saved next to every output with every default re
 can be repeated, and a report rebuilt, from the output folder alone. (Where and in what precision
 a job runs is not the recipe's business: see ``runtime.Execution``.)
 
-Version 3 (this one) packs calibration documents with EOS between them and a BOS (where the tokenizer
-writes one) at the start of every sequence, and ReplaceMe's ``ridge_alpha`` is per token as NBL's.
-Older recipes are read and migrated to what they ran: version 2 (settings under ``settings``) keeps
+Version 4 (this one): ReplaceMe's ``sandwich_fold: auto`` folds ``linearized-norm`` (through-norm only
+where that fit is not finite). Version 3 packed calibration documents with EOS between them and a BOS
+(where the tokenizer writes one) at the start of every sequence, and made ReplaceMe's ``ridge_alpha``
+per token as NBL's. Older recipes are read and migrated to what they ran: version 3's ``auto``, which
+kept the fold with the lower loss, becomes ``compare``; version 2 (settings under ``settings``) keeps
 its blank-line packing and its total ridge (divided by the recipe's tokens); version 1 (every field
 flat, unused ones included, ``criterion: null`` for "the default") goes through version 2.
 """
@@ -24,7 +26,7 @@ from blockfold.errors import BlockfoldError
 from blockfold.schema import Strict
 from blockfold.settings import SETTINGS, MethodSettings
 
-RECIPE_VERSION = 3
+RECIPE_VERSION = 4
 
 
 class CalibrationConfig(Strict):
@@ -102,7 +104,7 @@ class Recipe(Strict):
     a flat field the method does not have is an error naming the method's own settings.
     """
 
-    recipe_version: Literal[3] = RECIPE_VERSION
+    recipe_version: Literal[4] = RECIPE_VERSION
     method: str = "replaceme"
     settings: SerializeAsAny[MethodSettings]
     calibration: CalibrationConfig = Field(default_factory=CalibrationConfig)
@@ -117,6 +119,8 @@ class Recipe(Strict):
             data = _migrate_v1(data)
         if data.get("recipe_version") == 2:
             data = _migrate_v2(data)
+        if data.get("recipe_version") == 3:
+            data = _migrate_v3(data)
         method = data.get("method", "replaceme")
         if method not in SETTINGS:
             raise ValueError(f"unknown method {method!r}; choose one of {', '.join(sorted(SETTINGS))}")
@@ -194,7 +198,17 @@ def _migrate_v2(data: dict) -> dict:
         tokens = (calibration.get("num_sequences", defaults["num_sequences"].default)
                   * calibration.get("sequence_length", defaults["sequence_length"].default))
         settings = {**settings, "ridge_alpha": settings["ridge_alpha"] / tokens}
-    return {**data, "recipe_version": RECIPE_VERSION, "calibration": calibration, "settings": settings}
+    return {**data, "recipe_version": 3, "calibration": calibration, "settings": settings}
+
+
+def _migrate_v3(data: dict) -> dict:
+    """A version 3 recipe as version 4: ReplaceMe's ``auto`` fold (written, or left to the default)
+    compared the two sandwich folds' losses, which version 4 calls ``compare``."""
+    settings = data.get("settings") or {}
+    if isinstance(settings, dict) and data.get("method", "replaceme") == "replaceme" \
+            and settings.get("sandwich_fold", "auto") == "auto" and settings.get("estimator") != "identity":
+        settings = {**settings, "sandwich_fold": "compare"}
+    return {**data, "recipe_version": RECIPE_VERSION, "settings": settings}
 
 
 def _healing_data() -> CalibrationConfig:

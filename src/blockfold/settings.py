@@ -126,8 +126,10 @@ class ReplaceMe(SpanSelection):
     estimator: Literal["lstsq", "diagonal", "orthogonal", "lowrank", "cosine", "identity"] = "lstsq"
     rank: int | None = Field(None, ge=1)  # lowrank: rank of the correction to the identity (default 32)
     ridge_alpha: float = Field(0.0, ge=0)  # L2 penalty per calibration token (as NBL's; version 2: in total)
-    # blocks with a norm after the MLP (Gemma): which foldable form of the map (docs/gemma.md)
-    sandwich_fold: Literal["auto", "linearized-norm", "through-norm"] = "auto"
+    # blocks with a norm after the MLP (Gemma): which foldable form of the map (docs/gemma.md); auto
+    # folds linearized-norm (through-norm where that fit is not finite), compare fits both and keeps
+    # the lower loss on held-out calibration tokens
+    sandwich_fold: Literal["auto", "compare", "linearized-norm", "through-norm"] = "auto"
     cosine: CosineConfig = Field(default_factory=CosineConfig)
 
     @model_validator(mode="after")
@@ -141,9 +143,9 @@ class ReplaceMe(SpanSelection):
         if self.sandwich_fold != "auto" and self.estimator == "identity":
             raise ValueError("sandwich_fold chooses how a map is folded, and the identity estimator folds none: "
                              "drop --sandwich-fold or choose another estimator")
-        if self.sandwich_fold == "through-norm" and self.estimator in ("diagonal", "orthogonal", "lowrank"):
-            raise ValueError(f"sandwich_fold through-norm refits an unconstrained map, so the {self.estimator} "
-                             "constraint would not hold: use --sandwich-fold linearized-norm or auto")
+        if self.sandwich_fold in ("through-norm", "compare") and self.estimator in ("diagonal", "orthogonal", "lowrank"):
+            raise ValueError(f"sandwich_fold {self.sandwich_fold} needs the through-norm fit, an unconstrained map, so "
+                             f"the {self.estimator} constraint would not hold: use --sandwich-fold linearized-norm or auto")
         return self
 
 

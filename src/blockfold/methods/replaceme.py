@@ -32,7 +32,7 @@ from blockfold.errors import BlockfoldError
 from blockfold.methods.base import Job
 from blockfold.select import best_span, best_spans, by_start, span_criteria, split_budget
 from blockfold.settings import ReplaceMe
-from blockfold.stats import NormalEquations, SpanSample, SpanStatistics, SpanTable
+from blockfold.stats import NormalEquations, SpanRows, SpanSample, SpanStatistics, SpanTable
 from blockfold.stats.similarity import StreamMoments, StreamSimilarity
 from blockfold.surgery import fold_into_down_proj, fold_through_linearized_norm, remove_blocks
 
@@ -181,77 +181,104 @@ def _fit_prenorm(job: Job, start: int, length: int, equations: NormalEquations) 
 def _fit_sandwich(job: Job, start: int, length: int, equations: NormalEquations) -> FittedMap:
     """Sandwich blocks: a post-MLP norm sits between down_proj and the residual (docs/gemma.md).
 
-    Two exact-to-fold regimes are fitted and the one with the lower loss on held-out tokens kept:
-    ``linearized-norm`` fits T on the down-projection output z (closed form over all tokens) and
-    makes the norm linear; ``through-norm`` folds B = diag(g) T diag(1/g) from the post-norm fit
-    and refits B with the norm in the loop on a token sample. Comparing them on that sample favoured
-    the through-norm refit, which had seen it, and chose the worse fold (BENCHMARKS.md, Gemma).
+    Two forms fold exactly. ``linearized-norm`` fits T on the down-projection output z (closed form
+    over all tokens) and makes the norm linear; ``through-norm`` folds B = diag(g) T diag(1/g) from
+    the post-norm fit and refits B with the norm in the loop on a token sample. ``auto`` folds
+    linearized-norm, and through-norm only where that fit is not finite: on Gemma-3-270m
+    linearized-norm reached the lower perplexity at every start where both were finite, including
+    those where through-norm had the lower loss (BENCHMARKS.md, "Which sandwich fold?").
+    ``compare`` fits both and keeps the lower loss on held-out calibration tokens (recipe version 3's
+    auto, which compared on the fit sample).
     """
     settings: ReplaceMe = job.settings
     if settings.estimator == "identity":
         return FittedMap(*closed_form_map(settings, equations))
+    fold = settings.sandwich_fold
+    if settings.estimator in ("diagonal", "orthogonal", "lowrank"):  # the constraint holds on T only there
+        fold = "linearized-norm"
+    span = f"{start}-{start + length - 1}"
     sample = SpanSample(start, length, settings.cosine.max_tokens, job.calibration.num_tokens, pre_norm=True,
                         seed=job.seed)
-    held_out = SpanSample(start, length, max(64, settings.cosine.max_tokens // 4), job.calibration.num_tokens,
-                          pre_norm=True, seed=job.seed + 1, held_out_from=sample)
+    observers = [sample]
+    if fold == "compare":
+        held_out = SpanSample(start, length, max(64, settings.cosine.max_tokens // 4), job.calibration.num_tokens,
+                              pre_norm=True, seed=job.seed + 1, held_out_from=sample)
+        observers.append(held_out)
     z_statistics = SpanStatistics(job.num_layers, 0, length, starts=[start], inputs="down_out", stream_weighted=False)
-    job.run([sample, held_out, z_statistics], description="sampling span rows")
+    job.run([*observers, z_statistics], description="sampling span rows")
     rows = sample.rows()
-    z_equations = z_statistics.finalize().normal_equations[start]
     objective = "cosine" if settings.estimator == "cosine" else "mse"
 
     post_norm_transform, info = fit_span_map(equations, "lstsq", settings.ridge_alpha)
     info = {"estimator": settings.estimator, "post_norm_space_relative_error": info["relative_fit_error"],
-            "relative_error_plain_removal": info["relative_error_plain_removal"], "tokens": info["tokens"]}
+            "relative_error_plain_removal": info["relative_error_plain_removal"], "tokens": info["tokens"],
+            "objective": objective}
+    maps, contributions = {}, {"linearized-norm": linear_contribution}
 
-    linear, linear_info = closed_form_map(settings, z_equations)
-    if objective == "cosine":
-        linear, linear_info["numerical_fit"] = fit_numerically(rows, linear, settings.cosine, objective)
-    linear_info["relative_fit_error"] = z_equations.relative_residual(linear)
+    if fold != "through-norm":
+        z_equations = z_statistics.finalize().normal_equations[start]
+        linear, linear_info = closed_form_map(settings, z_equations)
+        if objective == "cosine":
+            linear, linear_info["numerical_fit"] = fit_numerically(rows, linear, settings.cosine, objective)
+        linear_info["relative_fit_error"] = z_equations.relative_residual(linear)
+        maps["linearized-norm"], info["linearized_norm"] = linear, linear_info
 
-    norm = job.handle.copy_of(job.adapter.mlp_norm(job.handle.layers()[start - 1]))
-    scale = job.adapter.norm_scale(norm).to(post_norm_transform.device)
-    through_norm = lambda z, b: norm(z @ b)  # noqa: E731 - the MLP contribution with B folded before the norm
-    through, through_info = fit_numerically(rows, scale[:, None] * post_norm_transform / scale[None, :],
-                                            settings.cosine, objective, through_norm)
-
-    def losses_on(sample_rows, measure: str = objective) -> dict[str, float]:
-        device_rows = sample_rows.to(linear.device)
+    def sample_losses(sample_rows: SpanRows, measure: str = objective) -> dict[str, float]:
         with torch.no_grad():
-            return {"linearized-norm": float(span_loss(device_rows, linear.float(), linear_contribution, measure)),
-                    "through-norm": float(span_loss(device_rows, through.float(), through_norm, measure))}
+            return {name: float(span_loss(sample_rows.to(m.device), m.float(), contributions[name], measure))
+                    for name, m in maps.items()}
 
-    sample_losses = losses_on(rows)
-    if held_out.has_rows():
-        held_out_rows = held_out.rows()
-        losses, compared_on = losses_on(held_out_rows), f"{len(held_out_rows.x)} held-out calibration tokens"
-        info["held_out_cosine_distance_per_regime"] = losses_on(held_out_rows, "cosine")
-    else:  # the fit sample holds every calibration token: nothing is left to hold out
-        losses, compared_on = sample_losses, "the fit sample (the calibration set left no token out of it)"
-        logger.warning("span %d-%d: the calibration set is no larger than the fit sample (%d tokens), so the two "
-                       "sandwich folds are compared on tokens the through-norm fit has seen; calibrate on more text "
-                       "for a fair choice", start, start + length - 1, settings.cosine.max_tokens)
-    finite = {name: loss for name, loss in losses.items() if math.isfinite(loss)}
-    span = f"{start}-{start + length - 1}"
+    if fold in ("through-norm", "compare") or (fold == "auto" and not _finite(sample_losses(rows))):
+        norm = job.handle.copy_of(job.adapter.mlp_norm(job.handle.layers()[start - 1]))
+        scale = job.adapter.norm_scale(norm).to(post_norm_transform.device)
+        contributions["through-norm"] = lambda z, b: norm(z @ b)  # B folded before the norm
+        maps["through-norm"], info["through_norm"] = fit_numerically(
+            rows, scale[:, None] * post_norm_transform / scale[None, :], settings.cosine, objective,
+            contributions["through-norm"])
+        if fold == "auto":
+            logger.warning("span %s: the linearized-norm fit is not finite on the calibration sample; folding "
+                           "through-norm instead", span)
+
+    info["sample_loss_per_regime"] = losses = sample_losses(rows)
+    finite = _finite(losses)
+    if fold in ("linearized-norm", "through-norm") and fold not in finite:  # forced (a norm scale of 0, say)
+        other = "linearized-norm" if fold == "through-norm" else "through-norm"
+        raise BlockfoldError(f"the {fold} fit of span {span} is not finite on the calibration sample: "
+                             f"use --sandwich-fold {other} (or auto, which falls back when its fold fails)")
     if not finite:
-        raise BlockfoldError(f"neither sandwich fold of span {span} has a finite loss on the calibration sample: "
+        raise BlockfoldError(f"no sandwich fold of span {span} has a finite loss on the calibration sample: "
                              "the block's activations are not finite; check the model's weights and dtype")
-    regime = min(finite, key=finite.get) if settings.sandwich_fold == "auto" else settings.sandwich_fold
-    if settings.estimator in ("diagonal", "orthogonal", "lowrank"):  # the constraint holds on T only there
-        regime = "linearized-norm"
-    if regime not in finite:  # forced through a fold whose fit is not finite (a norm scale of 0, say)
-        raise BlockfoldError(f"the {regime} fit of span {span} is not finite on the calibration sample: "
-                             f"use --sandwich-fold {next(iter(finite))} (or auto, which skips a fold that fails)")
-    info.update({"regime": regime, "held_out_loss_per_regime": losses, "compared_on": compared_on,
-                 "sample_loss_per_regime": sample_losses, "objective": objective,
-                 "linearized_norm": linear_info, "through_norm": through_info})
+    if fold == "compare":
+        held_out_rows = held_out.rows() if held_out.has_rows() else None
+        if held_out_rows is None:  # the fit sample holds every calibration token: nothing is left to hold out
+            logger.warning("span %s: the calibration set is no larger than the fit sample (%d tokens), so the two "
+                           "sandwich folds are compared on tokens the through-norm fit has seen; calibrate on more "
+                           "text for a fair comparison", span, settings.cosine.max_tokens)
+            info["compared_on"] = "the fit sample (the calibration set left no token out of it)"
+        else:
+            losses = finite = _finite(sample_losses(held_out_rows))
+            info["compared_on"] = f"{len(held_out_rows.x)} held-out calibration tokens"
+            info["held_out_loss_per_regime"] = sample_losses(held_out_rows)
+            info["held_out_cosine_distance_per_regime"] = sample_losses(held_out_rows, "cosine")
+        regime = min(finite, key=finite.get)
+    elif fold == "auto":
+        regime = next(iter(finite))  # linearized-norm unless it was not finite
+    else:
+        regime = fold
+    info["regime"] = regime
     if regime == "linearized-norm":
-        info["relative_fit_error"] = linear_info["relative_fit_error"]
+        info["relative_fit_error"] = info["linearized_norm"]["relative_fit_error"]
+        linear = maps[regime]
         output_rms = float((rows.x.to(linear.device).double() @ linear).pow(2).mean(-1).sqrt().max())
         return FittedMap(linear, info, regime, output_rms)
     with torch.no_grad():  # relative squared error on the sample, whatever the objective was
-        info["relative_fit_error"] = float(span_loss(rows.to(through.device), through.float(), through_norm, "mse"))
-    return FittedMap(through, info, regime)
+        info["relative_fit_error"] = float(span_loss(rows.to(maps[regime].device), maps[regime].float(),
+                                                     contributions[regime], "mse"))
+    return FittedMap(maps[regime], info, regime)
+
+
+def _finite(losses: dict[str, float]) -> dict[str, float]:
+    return {name: loss for name, loss in losses.items() if math.isfinite(loss)}
 
 
 def _fold(job: Job, block: int, fitted: FittedMap) -> None:
@@ -275,7 +302,9 @@ def _replace_span(job: Job, start: int, length: int, equations: NormalEquations)
 # -- the method -------------------------------------------------------------------------------
 def compress_replaceme(job: Job) -> dict:
     settings: ReplaceMe = job.settings
-    if settings.sandwich_fold != "auto" and job.adapter.folds_exactly:
+    # auto and compare are rules (a version 3 recipe's auto reads as compare): without a post-MLP norm
+    # they have the one exact fold to choose; naming a sandwich form there is a mistake
+    if settings.sandwich_fold in ("linearized-norm", "through-norm") and job.adapter.folds_exactly:
         raise BlockfoldError(f"sandwich_fold {settings.sandwich_fold} applies to blocks with a norm after the MLP "
                              f"(Gemma); {job.model.config.model_type} has none, so drop --sandwich-fold")
     budget = settings.num_blocks(job.num_layers)
