@@ -65,7 +65,8 @@ def save(result: CompressionResult, out: str | Path, overwrite: bool = False,
 
 def git_commit() -> str | None:
     """The commit of the blockfold checkout this runs from, ``+dirty`` when its tracked files differ
-    from it (None when installed from a wheel)."""
+    from it (None when installed from a wheel). Results and prose (``bench/results/``, ``*.md``) do
+    not count: a benchmark writing its JSON does not make the code of a second one running beside it dirty."""
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True,
                               timeout=5)
@@ -75,7 +76,9 @@ def git_commit() -> str | None:
                                  capture_output=True, text=True, timeout=5)
     except (OSError, subprocess.SubprocessError):
         return None
-    return head.stdout.strip() + ("+dirty" if changed.stdout.strip() else "")
+    code = [line[3:] for line in changed.stdout.splitlines()
+            if not (line[3:].startswith("bench/results/") or line[3:].endswith(".md"))]
+    return head.stdout.strip() + ("+dirty" if code else "")
 
 
 def _cpu_name() -> str:
