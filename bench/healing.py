@@ -2,7 +2,7 @@
 whose linearized-norm fold plain training used to wreck).
 
     .venv/bin/python bench/healing.py --model gemma3-270m --blocks 4 --modes lt,lora --steps 100
-    .venv/bin/python bench/healing.py --sandwich-fold linearized-norm --modes lt --json bench/results/healing_linearized.json
+    .venv/bin/python bench/healing.py --sandwich-fold through-norm --json bench/results/healing_through_norm.json
 
 Compresses once with today's defaults (saved to a temporary folder), then heals that checkpoint in
 each mode on c4_demo text and measures WikiText-2 perplexity (first 40 windows of 512 tokens)
@@ -30,8 +30,8 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=4)
     parser.add_argument("--modes", default="lt,lora")
     parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--sandwich-fold", default="auto", choices=["auto", "linearized-norm", "through-norm"],
-                        help="Gemma: force the fold (linearized-norm is the one plain training used to wreck)")
+    parser.add_argument("--sandwich-fold", default="auto", choices=["auto", "compare", "linearized-norm", "through-norm"],
+                        help="Gemma: the fold (auto's linearized-norm is the one plain training used to wreck)")
     parser.add_argument("--ppl-windows", type=int, default=40)
     parser.add_argument("--json", default="bench/results/healing.json")
     args = parser.parse_args()
