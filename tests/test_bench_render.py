@@ -106,3 +106,25 @@ def test_gemma_section_takes_the_placement_study_from_a_separate_run(render):
     assert "1: 900.0 (linearized-norm); 7: 190.0 (through-norm)." in table
     assert "first 12 windows" in table and "- `bench/span_placement.py`" in table
     assert "placement" not in render.render_gemma([main]).lower()
+
+
+def test_fold_choice_table_marks_the_better_fold_and_a_failed_fit(render):
+    def losses(a, b):
+        return {"linearized-norm": a, "through-norm": b}
+
+    rows = [{"start": 1, "perplexity": losses(100.0, 150.0), "better": "linearized-norm", "sample_loss": losses(0.3, 0.2),
+             "held_out_loss": losses(0.31, 0.22), "held_out_cosine": losses(0.01, 0.02)},
+            {"start": 2, "perplexity": {"linearized-norm": 90.0}, "better": "linearized-norm",
+             "failed": {"through-norm": "fit not finite"}, "sample_loss": losses(0.3, float("nan")),
+             "held_out_loss": losses(0.3, float("nan")), "held_out_cosine": losses(0.01, float("nan"))}]
+    spec = importlib.util.spec_from_file_location("fold_choice", ROOT / "bench" / "sandwich_fold_choice.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    summary = bench.summarize(rows)
+    assert summary["objective on the fit sample (version 3's auto)"]["right"] == 1  # it picks through-norm at 1
+    assert summary["linearized-norm unless its fit is not finite (version 4's auto)"]["right"] == 2
+    assert summary["objective on the fit sample (version 3's auto)"]["worst_ppl_ratio_to_better"] == 1.5
+    table = render.render_fold_choice({"model": "m", "blocks": 4, "ppl_windows": 12, "rows": rows, "summary": summary,
+                                       "provenance": PROVENANCE})
+    assert "| 1 | **100.00** | 150.00 |" in table and "| 2 | **90.00** | fit not finite |" in table
+    assert "| objective on the fit sample (version 3's auto) | 1 of 2 | 1.225 | 1.500 |" in table
