@@ -7,6 +7,7 @@ documents the calibration never saw, and LAMBADA passages, on SmolLM2-135M and G
 
     .venv/bin/python bench/defaults_validation.py                       # both models, both studies
     .venv/bin/python bench/defaults_validation.py --models smollm2-135m:8:4 --studies span
+    .venv/bin/python bench/defaults_validation.py --models gemma3-270m:4:4 --studies fold   # sandwich folds
 
 Spans: one calibration pass scores every criterion; each distinct choice is compressed once
 (``compress --span-start``) and measured on every text. NBL: one compression per linearity
@@ -92,6 +93,20 @@ def estimator_study(loaded, blocks: int, calibration, texts: dict) -> dict:
     return {"default": "lstsq", "rows": rows}
 
 
+def fold_study(loaded, blocks: int, calibration, texts: dict) -> dict:
+    """Sandwich-norm models: the default span folded by auto (linearized-norm) and by through-norm,
+    the fold version 3's auto chose there, one calibration pass."""
+    cache, rows = PassCache(), []
+    for fold in ("auto", "through-norm"):
+        result = blockfold.compress(as_handle(copy.deepcopy(loaded.model), loaded.tokenizer, None),
+                                    recipe=Recipe(blocks=blocks, sandwich_fold=fold), calibration=calibration, cache=cache)
+        rows.append({"candidate": fold, "regime": result.manifest["transform"]["regime"],
+                     "layers": result.manifest["removed_blocks"], "recipe": result.recipe.model_dump(mode="json"),
+                     "perplexity": measure(result.model, texts, f"fold {fold}")})
+        print(json.dumps(rows[-1]["perplexity"]), flush=True)
+    return {"default": "auto", "rows": rows}
+
+
 def nbl_study(loaded, layers: int, calibration, texts: dict) -> dict:
     rows, cache = [], PassCache()  # one statistics pass serves every ranking
     for criterion in LINEARITY_CRITERIA:
@@ -118,7 +133,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="smollm2-135m:8:8,gemma3-270m:4:4",
                         help="model:blocks:attention layers, comma-separated")
-    parser.add_argument("--studies", default="span,nbl", help="span, nbl, estimator (the maps of 'Best configuration')")
+    parser.add_argument("--studies", default="span,nbl",
+                        help="span, nbl, estimator (the maps of 'Best configuration'), fold (sandwich-norm models)")
     parser.add_argument("--windows", type=int, default=40, help="windows of 512 tokens per held-out text")
     parser.add_argument("--json", default="bench/results/defaults_validation.json")
     args = parser.parse_args()
@@ -138,6 +154,9 @@ def main() -> None:
         if "estimator" in studies:
             model_results["estimator"] = estimator_study(loaded, int(blocks), calibration, texts)
             model_results["estimator"]["verdict"] = verdict(model_results["estimator"])
+        if "fold" in studies:
+            model_results["fold"] = fold_study(loaded, int(blocks), calibration, texts)
+            model_results["fold"]["verdict"] = verdict(model_results["fold"])
         if "nbl" in studies:
             model_results["nbl"] = nbl_study(loaded, int(layers), calibration, texts)
             model_results["nbl"]["verdict"] = verdict(model_results["nbl"])

@@ -185,7 +185,10 @@ def render_fold_choice(results: dict) -> str:
     for rule, summary in results["summary"].items():
         lines.append(f"| {rule} | {summary['right']} of {summary['of']} | {summary['geomean_ppl_ratio_to_better']:.3f} | "
                      f"{summary['worst_ppl_ratio_to_better']:.3f} |")
-    return "\n".join(lines + [""] + _footer([results]))
+    footer = _footer([results])
+    if "summary_provenance" in results:
+        footer.append(f"- summary recomputed from those rows: {_provenance_line(results['summary_provenance'])}")
+    return "\n".join(lines + [""] + footer)
 
 
 def render_defaults(parts: list[dict]) -> str:
@@ -193,6 +196,7 @@ def render_defaults(parts: list[dict]) -> str:
     never saw; the default's perplexity over the best candidate's per text. Studies from several files
     (invocations) merge per model."""
     studies = {"span": ("ReplaceMe's span criterion", "span"), "estimator": ("ReplaceMe's map on the default span", "span"),
+               "fold": ("ReplaceMe's sandwich fold on the default span", "span"),
                "nbl": ("NBL's linearity ranking", "attention layers")}
     merged: dict[str, dict] = {}
     for part in parts:
@@ -214,13 +218,14 @@ def render_defaults(parts: list[dict]) -> str:
                     placed = _span(list(range(row["start"], row["start"] + study["blocks"])))
                 else:
                     placed = f"from block {row['start']}"
-                groups.setdefault((placed, row["candidate"] if key == "estimator" else ""), []).append(row)
+                groups.setdefault((placed, row["candidate"] if key in ("estimator", "fold") else ""), []).append(row)
             lines += [f"### {model}: {title} (default `{study['default']}`)", "",
                       f"| candidates | {what} | " + " | ".join(texts) + " |", "|---|---|" + "---|" * len(texts),
                       "| original | - | " + " | ".join(f"{result['original'][t]:.2f}" for t in texts) + " |"]
             best = {t: min(row["perplexity"][t] for row in study["rows"]) for t in texts}
             for (placed, _), rows in groups.items():
-                names = ", ".join(f"**{r['candidate']}** (default)" if r["candidate"] == study["default"] else r["candidate"]
+                names = ", ".join((f"**{r['candidate']}** (default)" if r["candidate"] == study["default"] else r["candidate"])
+                                  + (f" ({r['regime']})" if r.get("regime") and r["regime"] != r["candidate"] else "")
                                   for r in rows)
                 cells = [f"**{rows[0]['perplexity'][t]:.2f}**" if rows[0]["perplexity"][t] == best[t]
                          else f"{rows[0]['perplexity'][t]:.2f}" for t in texts]

@@ -66,9 +66,17 @@ def main() -> None:
     parser.add_argument("--ppl", default=str(DATA / "wikitext2_test.txt"))
     parser.add_argument("--ppl-windows", type=int, default=12)
     parser.add_argument("--json", default="bench/results/sandwich_fold_choice.json")
+    parser.add_argument("--summarize-only", action="store_true",
+                        help="recompute the summary of --json's measured rows (after a rule is added), measuring nothing")
     args = parser.parse_args()
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     started = provenance(["bench/sandwich_fold_choice.py", *sys.argv[1:]])
+    if args.summarize_only:
+        out = json.loads(Path(args.json).read_text())
+        out.update(summary=summarize(out["rows"]), summary_provenance=started)
+        Path(args.json).write_text(json.dumps(out, indent=2))
+        print(json.dumps(out["summary"], indent=2))
+        return
 
     handle = blockfold.open_model(args.model)
     config = CalibrationConfig(source=args.calib, max_documents=args.calib_docs)
