@@ -368,7 +368,8 @@ SECTIONS: dict[str, tuple[str | tuple[str, ...], Callable]] = {
     "nbl-gemma": (("nbl_gemma.json",), render_nbl),
     "replaceme-quality": ("replaceme_quality.json", render_replaceme_quality),
     "cosine": ("cosine_vs_lstsq.json", render_cosine),
-    "defaults": (("defaults_validation.json", "defaults_validation_estimators.json"), render_defaults),
+    "defaults": (("defaults_validation.json", "defaults_validation_estimators.json", "defaults_validation_gemma.json"),
+                 render_defaults),
 }
 
 
