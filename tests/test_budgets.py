@@ -130,6 +130,8 @@ def test_version_3_auto_fold_replays_as_compare():
     assert forced.settings.sandwich_fold == "through-norm"
     plain = Recipe.parse({"recipe_version": 3, "settings": {"blocks": 3, "estimator": "identity"}})
     assert plain.settings.sandwich_fold == "auto"  # identity folds nothing, and refuses any other value
+    constrained = Recipe.parse({"recipe_version": 3, "settings": {"blocks": 3, "estimator": "diagonal"}})
+    assert constrained.settings.sandwich_fold == "auto"  # v3 folded it linearized-norm, as v4's auto does
     assert Recipe.parse({"blocks": 3}).settings.sandwich_fold == "auto"
 
 

@@ -205,8 +205,11 @@ def _migrate_v3(data: dict) -> dict:
     """A version 3 recipe as version 4: ReplaceMe's ``auto`` fold (written, or left to the default)
     compared the two sandwich folds' losses, which version 4 calls ``compare``."""
     settings = data.get("settings") or {}
-    if isinstance(settings, dict) and data.get("method", "replaceme") == "replaceme" \
-            and settings.get("sandwich_fold", "auto") == "auto" and settings.get("estimator") != "identity":
+    # identity folds nothing, and a constrained map was folded linearized-norm by version 3's auto as
+    # by version 4's: only an unconstrained map's auto compared the folds
+    compared = settings.get("estimator", "lstsq") not in ("identity", "diagonal", "orthogonal", "lowrank") \
+        if isinstance(settings, dict) else False
+    if compared and data.get("method", "replaceme") == "replaceme" and settings.get("sandwich_fold", "auto") == "auto":
         settings = {**settings, "sandwich_fold": "compare"}
     return {**data, "recipe_version": RECIPE_VERSION, "settings": settings}
 
