@@ -80,31 +80,24 @@ ESTIMATORS = {"lstsq": {"estimator": "lstsq"}, "orthogonal": {"estimator": "orth
               "cosine + L1 1e-4": {"estimator": "cosine", "cosine": {"l1_penalty": 1e-4}}}
 
 
-def estimator_study(loaded, blocks: int, calibration, texts: dict) -> dict:
-    """The default span, each map of the "best configuration" comparison, one calibration pass."""
+def map_study(loaded, blocks: int, calibration, texts: dict, candidates: dict[str, dict], default: str) -> dict:
+    """The default span, one compression per candidate's ReplaceMe settings, one calibration pass;
+    on sandwich blocks each row records the fold it got."""
     cache, rows = PassCache(), []
-    for name, settings in ESTIMATORS.items():
+    for name, settings in candidates.items():
         result = blockfold.compress(as_handle(copy.deepcopy(loaded.model), loaded.tokenizer, None),
                                     recipe=Recipe(blocks=blocks, **settings), calibration=calibration, cache=cache)
-        rows.append({"candidate": name, "layers": result.manifest["removed_blocks"],
-                     "recipe": result.recipe.model_dump(mode="json"),
-                     "perplexity": measure(result.model, texts, f"map {name}")})
-        print(json.dumps(rows[-1]["perplexity"]), flush=True)
-    return {"default": "lstsq", "rows": rows}
+        row = {"candidate": name, "layers": result.manifest["removed_blocks"],
+               "recipe": result.recipe.model_dump(mode="json"), "perplexity": measure(result.model, texts, f"map {name}")}
+        if "regime" in result.manifest["transform"]:
+            row["regime"] = result.manifest["transform"]["regime"]
+        rows.append(row)
+        print(json.dumps(row["perplexity"]), flush=True)
+    return {"default": default, "rows": rows}
 
 
-def fold_study(loaded, blocks: int, calibration, texts: dict) -> dict:
-    """Sandwich-norm models: the default span folded by auto (linearized-norm) and by through-norm,
-    the fold version 3's auto chose there, one calibration pass."""
-    cache, rows = PassCache(), []
-    for fold in ("auto", "through-norm"):
-        result = blockfold.compress(as_handle(copy.deepcopy(loaded.model), loaded.tokenizer, None),
-                                    recipe=Recipe(blocks=blocks, sandwich_fold=fold), calibration=calibration, cache=cache)
-        rows.append({"candidate": fold, "regime": result.manifest["transform"]["regime"],
-                     "layers": result.manifest["removed_blocks"], "recipe": result.recipe.model_dump(mode="json"),
-                     "perplexity": measure(result.model, texts, f"fold {fold}")})
-        print(json.dumps(rows[-1]["perplexity"]), flush=True)
-    return {"default": "auto", "rows": rows}
+#: sandwich-norm models: auto (linearized-norm) against through-norm, the fold version 3's auto chose on Gemma
+FOLDS = {"auto": {"sandwich_fold": "auto"}, "through-norm": {"sandwich_fold": "through-norm"}}
 
 
 def nbl_study(loaded, layers: int, calibration, texts: dict) -> dict:
@@ -152,10 +145,10 @@ def main() -> None:
             model_results["span"] = span_study(loaded, int(blocks), calibration, texts)
             model_results["span"]["verdict"] = verdict(model_results["span"])
         if "estimator" in studies:
-            model_results["estimator"] = estimator_study(loaded, int(blocks), calibration, texts)
+            model_results["estimator"] = map_study(loaded, int(blocks), calibration, texts, ESTIMATORS, "lstsq")
             model_results["estimator"]["verdict"] = verdict(model_results["estimator"])
         if "fold" in studies:
-            model_results["fold"] = fold_study(loaded, int(blocks), calibration, texts)
+            model_results["fold"] = map_study(loaded, int(blocks), calibration, texts, FOLDS, "auto")
             model_results["fold"]["verdict"] = verdict(model_results["fold"])
         if "nbl" in studies:
             model_results["nbl"] = nbl_study(loaded, int(layers), calibration, texts)
