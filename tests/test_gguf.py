@@ -47,6 +47,14 @@ def _saved_tensors(folder: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def _what_the_model_runs_on(config) -> dict:
+    """Every config field, less those that name where the weights came from (path, GGUF file, class)."""
+    fields = config.to_dict()
+    for provenance in ("_name_or_path", "architectures", "quantization_config", "transformers_version"):
+        fields.pop(provenance, None)
+    return fields
+
+
 @pytest.mark.realmodel
 @pytest.mark.parametrize("locate, shard_bytes", [
     pytest.param(_smollm2_gguf, 64 << 20, id="smollm2"),
@@ -68,9 +76,7 @@ def test_converted_gguf_equals_transformers_load(locate, shard_bytes, tmp_path):
         assert saved[name].dtype == tensor.dtype and torch.equal(saved[name], tensor), name
 
     config = AutoConfig.from_pretrained(target)
-    for field in ("model_type", "hidden_size", "num_hidden_layers", "vocab_size", "rope_parameters",
-                  "tie_word_embeddings", "num_attention_heads", "num_key_value_heads", "head_dim"):
-        assert getattr(config, field, None) == getattr(reference.config, field, None), field
+    assert _what_the_model_runs_on(config) == _what_the_model_runs_on(reference.config)
     assert config.architectures == [type(reference).__name__] and config.dtype == torch.float32
     assert getattr(config, "quantization_config", None) is None
     assert (target / "generation_config.json").is_file()
@@ -81,8 +87,11 @@ def test_converted_gguf_equals_transformers_load(locate, shard_bytes, tmp_path):
     assert ids.tolist() == AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)(
         prompt, return_tensors="pt").input_ids.tolist()
     converted = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    # In float64: bit-identical float32 weights gave float32 logits 1e-4 apart (of 20) on one CI machine,
+    # never here, which is the kernels' summation order, not the checkpoint. Any difference in what the two
+    # models compute (a norm's epsilon, a scale, a softcap) is orders of magnitude above 1e-9 in float64.
     with torch.no_grad():
-        assert torch.equal(converted(ids).logits, reference(ids).logits)
+        torch.testing.assert_close(converted.double()(ids).logits, reference.double()(ids).logits, rtol=0, atol=1e-9)
 
 
 def _tiny_gguf(path: Path, architecture: str) -> Path:
