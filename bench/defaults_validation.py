@@ -153,7 +153,7 @@ def main() -> None:
         if "nbl" in studies:
             model_results["nbl"] = nbl_study(loaded, int(layers), calibration, texts)
             model_results["nbl"]["verdict"] = verdict(model_results["nbl"])
-        results["models"][spec] = model_results
+        results["models"][item] = model_results  # model:blocks:layers, so budgets of one model stay apart
         Path(args.json).write_text(json.dumps(results, indent=1))
         del loaded
 

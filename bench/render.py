@@ -219,7 +219,10 @@ def render_defaults(parts: list[dict]) -> str:
                 else:
                     placed = f"from block {row['start']}"
                 groups.setdefault((placed, row["candidate"] if key in ("estimator", "fold") else ""), []).append(row)
-            lines += [f"### {model}: {title} (default `{study['default']}`)", "",
+            first = study["rows"][0]
+            budget = study["blocks"] if "blocks" in study else len(first["layers"])
+            removed = "attention layers" if key == "nbl" else "blocks"
+            lines += [f"### {model.split(':')[0]}, {budget} {removed}: {title} (default `{study['default']}`)", "",
                       f"| candidates | {what} | " + " | ".join(texts) + " |", "|---|---|" + "---|" * len(texts),
                       "| original | - | " + " | ".join(f"{result['original'][t]:.2f}" for t in texts) + " |"]
             best = {t: min(row["perplexity"][t] for row in study["rows"]) for t in texts}

@@ -87,10 +87,21 @@ def test_defaults_table_keeps_one_row_per_map_and_merges_studies_from_two_files(
         "default": "lstsq", "rows": [{"candidate": name, "layers": [3, 4], "perplexity": texts} for name in ("lstsq", "orthogonal")],
         "verdict": {t: {"default_over_best": 1.0} for t in texts}}}}}
     table = render.render_defaults([span, maps])
-    assert "### m: ReplaceMe's span criterion" in table and "### m: ReplaceMe's map on the default span" in table
+    assert "### m, 2 blocks: ReplaceMe's span criterion" in table and "### m, 2 blocks: ReplaceMe's map on the default span" in table
     assert "| **lstsq** (default) | 3-4 |" in table and "| orthogonal | 3-4 |" in table
     assert "- `bench/x.py`" in table and "- `bench/y.py`" in table
 
+
+def test_defaults_table_keeps_two_budgets_of_one_model_apart(render):
+    """defaults_validation keys a run by model:blocks:layers, so a check at another budget is its own table."""
+    texts = {"held out": 1.0}
+    def run(blocks, ppl):
+        return {"original": texts, "span": {"default": "a", "blocks": blocks,
+                "rows": [{"candidate": "a", "start": 1, "perplexity": {"held out": ppl}}],
+                "verdict": {"held out": {"default_over_best": 1.0}}}}
+    table = render.render_defaults([{"provenance": PROVENANCE, "models": {"m:2:2": run(2, 11.0), "m:4:4": run(4, 44.0)}}])
+    assert "### m, 2 blocks: ReplaceMe's span criterion" in table and "### m, 4 blocks: ReplaceMe's span criterion" in table
+    assert "| **a** (default) | 1-2 | **11.00** |" in table and "| **a** (default) | 1-4 | **44.00** |" in table
 
 def test_gemma_section_takes_the_placement_study_from_a_separate_run(render):
     main = {"removed_blocks": [7, 8, 9, 10], "selection": {"criterion": "fit_error_stream", "scored_map": "post-norm lstsq"},
