@@ -122,8 +122,10 @@ def render_healing(parts: list[dict]) -> str:
     """Issue #12: healing a compressed checkpoint, perplexity before and after; one table per fold."""
     lines = []
     for results in parts:
-        forced = (results.get("recipe") or {}).get("settings", {}).get("sandwich_fold", "auto") != "auto"
-        lines += [f"{results['model']}, {results['blocks']} blocks removed with today's defaults"
+        recipe = results.get("recipe") or {}
+        forced = recipe.get("settings", {}).get("sandwich_fold", "auto") != "auto"
+        lines += [f"{results['model']}, {results['blocks']} blocks removed with recipe version "
+                  f"{recipe.get('recipe_version')}'s defaults"
                   f"{', the fold forced' if forced else ''} (fold: {results.get('regime') or 'exact'}).", "",
                   "| mode | steps × tokens | trained parameters | training loss | WikiText-2 ppl before → after |",
                   "|---|---|---|---|---|"]
@@ -363,7 +365,7 @@ def render_nbl(parts: list[dict]) -> str:
 SECTIONS: dict[str, tuple[str | tuple[str, ...], Callable]] = {
     "scale": ("scale.json", render_scale),
     "packing": ("calibration_packing.json", render_packing),
-    "healing": (("healing.json",), render_healing),
+    "healing": (("healing_v3_through_norm.json",), render_healing),
     "gemma": (("gemma_sandwich.json", "gemma_placement.json"), render_gemma),
     "fold-choice": ("sandwich_fold_choice.json", render_fold_choice),
     "nbl": (("nbl_baselines.json", "nbl_baselines_part2.json", "nbl_baselines_part3.json", "nbl_baselines_part4.json"),
