@@ -365,7 +365,7 @@ def render_nbl(parts: list[dict]) -> str:
 SECTIONS: dict[str, tuple[str | tuple[str, ...], Callable]] = {
     "scale": ("scale.json", render_scale),
     "packing": ("calibration_packing.json", render_packing),
-    "healing": (("healing_v3_through_norm.json",), render_healing),
+    "healing": (("healing.json", "healing_v3_through_norm.json"), render_healing),
     "gemma": (("gemma_sandwich.json", "gemma_placement.json"), render_gemma),
     "fold-choice": ("sandwich_fold_choice.json", render_fold_choice),
     "nbl": (("nbl_baselines.json", "nbl_baselines_part2.json", "nbl_baselines_part3.json", "nbl_baselines_part4.json"),
@@ -373,7 +373,8 @@ SECTIONS: dict[str, tuple[str | tuple[str, ...], Callable]] = {
     "nbl-gemma": (("nbl_gemma.json",), render_nbl),
     "replaceme-quality": ("replaceme_quality.json", render_replaceme_quality),
     "cosine": ("cosine_vs_lstsq.json", render_cosine),
-    "defaults": (("defaults_validation.json", "defaults_validation_estimators.json", "defaults_validation_gemma.json"),
+    "defaults": (("defaults_validation.json", "defaults_validation_estimators.json", "defaults_validation_gemma.json",
+                  "defaults_validation_gemma_fold.json", "defaults_validation_budgets.json"),
                  render_defaults),
 }
 
