@@ -306,6 +306,19 @@ def _ranking(run: dict) -> tuple[str, str | None]:
     return method, None
 
 
+def _default_of_its_version(run: dict, method: str, field: str) -> str:
+    """The ranking a run's recipe version used by default (its migration to today's version fills it
+    in), so a row stays labelled with the default it ran under after a default changes."""
+    from blockfold.recipe import Recipe
+    from blockfold.settings import SETTINGS
+
+    recipe = run.get("recipe")
+    if not recipe:
+        return SETTINGS[method].model_fields[field].default
+    settings = {key: value for key, value in recipe["settings"].items() if key != field}
+    return getattr(Recipe.parse({**recipe, "settings": settings}).settings, field)
+
+
 def _run_label(run: dict) -> str:
     from blockfold.settings import SETTINGS
 
@@ -316,7 +329,7 @@ def _run_label(run: dict) -> str:
     if criterion is None:
         return f"{name} (ranking not recorded)"
     field = "linearity_criterion" if "linearity_criterion" in SETTINGS[method].model_fields else "criterion"
-    default = SETTINGS[method].model_fields[field].default
+    default = _default_of_its_version(run, method, field)
     estimator = (run.get("recipe") or {}).get("settings", {}).get("estimator")
     return f"{name} ({', '.join(filter(None, [estimator, criterion, 'default' if criterion == default else None]))})"
 

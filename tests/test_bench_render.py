@@ -55,6 +55,10 @@ def test_merged_nbl_table_takes_the_later_run_and_labels_it_from_its_recipe(rend
     assert "300.72" not in table and "102.55" in table
     assert "ReplaceMe (lstsq, fit_error_stream, default) | 8 blocks" in table
     assert "NBL-block (cca) | 8 blocks" in table  # not the default ranking, so not labelled default
+    # labelled with the default of the run's recipe version (v3: fit_error_stream), not today's
+    v5 = {**new, "runs": [_run("replaceme 8 blocks", 99.0, method="replaceme", blocks=8, recipe={
+        "recipe_version": 5, "method": "replaceme", "settings": {"blocks": 8, "criterion": "fit_error_stream"}})]}
+    assert "ReplaceMe (fit_error_stream) | 8 blocks" in render.render_nbl([v5])
     assert "| 115.11 |" in table and "recipe v2, before provenance" in table  # the old row stays, marked
     assert "recipe v3, `abcdef1`" in table
     assert "- 1 row: an earlier invocation that recorded no provenance" in table

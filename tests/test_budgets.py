@@ -18,16 +18,20 @@ from blockfold.stats import SpanStatistics
 PER_START = SpanStatistics.sums_bytes_for(1, 32, "full", True)
 
 
-@pytest.mark.parametrize("pipeline", ["whole", "sequential"])
-def test_screening_keeps_the_winner_and_says_so(pipeline):
+@pytest.mark.parametrize("pipeline, criterion", [("whole", "fit_error"), ("sequential", "fit_error"),
+                                                 ("whole", "fit_error_stream")])
+def test_screening_keeps_the_winner_and_says_so(pipeline, criterion):
+    """Each fit criterion screens by its own diagonal stand-in (the default's used to screen for both)."""
     calibration = random_calibration(num_sequences=8)
-    full = blockfold.compress(tiny_model("llama"), tiny_tokenizer(), {"blocks": 1}, calibration,
+    settings = {"blocks": 1, "criterion": criterion}
+    full = blockfold.compress(tiny_model("llama"), tiny_tokenizer(), settings, calibration,
                               execution=Execution(pipeline=pipeline)).manifest
     assert full["selection"]["statistics"]["sums"] == "full" and full["execution"]["passes"] == 1
-    screened = blockfold.compress(tiny_model("llama"), tiny_tokenizer(), {"blocks": 1}, calibration,
+    screened = blockfold.compress(tiny_model("llama"), tiny_tokenizer(), settings, calibration,
                                   execution=Execution(pipeline=pipeline, stats_memory=3 * PER_START)).manifest
     statistics = screened["selection"]["statistics"]
     assert statistics["sums"] == "screened" and statistics["screening"]["kept_per_length"] == 3
+    assert statistics["screening"]["by"] == f"the diagonal map's {criterion}"
     assert screened["execution"]["passes"] == 2
     kept = statistics["screening"]["kept"]["1"]
     assert len(kept) == 3 and set(screened["selection"]["candidates"]) == set(kept)
@@ -100,7 +104,7 @@ def test_version_1_recipes_are_read_with_their_defaults(tmp_path):
                    "linearity_criterion: cosine\ngreedy: false\nsandwich_fold: auto\n"
                    "calibration: {num_sequences: 8}\ncosine: {max_tokens: 16384, steps: 60, learning_rate: 1.0, l1_penalty: 0.0}\n")
     recipe = Recipe.from_yaml(old)
-    assert recipe.recipe_version == 4 and recipe.settings.blocks == 3
+    assert recipe.recipe_version == 5 and recipe.settings.blocks == 3
     assert recipe.settings.sandwich_fold == "compare"  # version 3's auto compared the folds' losses
     assert recipe.calibration.document_separator == "blank-line" and not recipe.calibration.start_every_sequence
     assert recipe.settings.criterion == "fit_error_stream" and recipe.calibration.num_sequences == 8
@@ -115,7 +119,7 @@ def test_version_2_recipes_run_as_they_did(tmp_path):
     old.write_text("recipe_version: 2\nmethod: replaceme\nsettings: {blocks: 3, ridge_alpha: 2048.0}\n"
                    "calibration: {num_sequences: 8, sequence_length: 128}\n")
     recipe = Recipe.from_yaml(old)
-    assert recipe.recipe_version == 4 and recipe.settings.ridge_alpha == 2.0
+    assert recipe.recipe_version == 5 and recipe.settings.ridge_alpha == 2.0
     assert recipe.calibration.document_separator == "blank-line" and not recipe.calibration.start_every_sequence
     assert Recipe.parse({"blocks": 3}).calibration.document_separator == "eos"
 
@@ -125,7 +129,7 @@ def test_version_3_auto_fold_replays_as_compare():
     linearized-norm. A version 3 recipe, written or defaulted, still compares; a forced fold stays."""
     for settings in ({"blocks": 3}, {"blocks": 3, "sandwich_fold": "auto"}):
         migrated = Recipe.parse({"recipe_version": 3, "method": "replaceme", "settings": settings})
-        assert migrated.recipe_version == 4 and migrated.settings.sandwich_fold == "compare"
+        assert migrated.recipe_version == 5 and migrated.settings.sandwich_fold == "compare"
     forced = Recipe.parse({"recipe_version": 3, "settings": {"blocks": 3, "sandwich_fold": "through-norm"}})
     assert forced.settings.sandwich_fold == "through-norm"
     plain = Recipe.parse({"recipe_version": 3, "settings": {"blocks": 3, "estimator": "identity"}})
@@ -133,6 +137,23 @@ def test_version_3_auto_fold_replays_as_compare():
     constrained = Recipe.parse({"recipe_version": 3, "settings": {"blocks": 3, "estimator": "diagonal"}})
     assert constrained.settings.sandwich_fold == "auto"  # v3 folded it linearized-norm, as v4's auto does
     assert Recipe.parse({"blocks": 3}).settings.sandwich_fold == "auto"
+
+
+def test_version_4_recipes_keep_the_span_criterion_they_defaulted_to():
+    """Version 5's default criterion is fit_error; a version 4 (or older) recipe that left it to the
+    default selected by fit_error_stream and still does; a criterion it names stays, as does UIDL's."""
+    for version in (2, 3, 4):
+        migrated = Recipe.parse({"recipe_version": version, "method": "replaceme", "settings": {"blocks": 3}})
+        assert migrated.recipe_version == 5 and migrated.settings.criterion == "fit_error_stream"
+    named = Recipe.parse({"recipe_version": 4, "settings": {"blocks": 3, "criterion": "cka"}})
+    assert named.settings.criterion == "cka"
+    flat = Recipe.parse({"recipe_version": 4, "blocks": 3, "criterion": "cca"})
+    assert flat.settings.criterion == "cca"
+    uidl = Recipe.parse({"recipe_version": 4, "method": "uidl", "settings": {"blocks": 3}})
+    assert uidl.settings.criterion == "angular_last"
+    assert Recipe.parse({"blocks": 3}).settings.criterion == "fit_error"
+    assert Recipe.parse(Recipe.parse({"recipe_version": 4, "settings": {"blocks": 3}}).model_dump(mode="json")) \
+        .settings.criterion == "fit_error_stream"  # saved again as version 5, the resolved value stays
 
 
 def test_ridge_means_the_same_per_token_for_replaceme_and_nbl():

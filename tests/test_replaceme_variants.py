@@ -232,11 +232,11 @@ def test_every_criterion_the_pass_measured_is_recorded_for_every_candidate(token
     maps' errors, not the stream moments behind CKA and CCA, which a CKA run adds."""
     result = blockfold.compress(tiny_model("llama"), tokenizer, {"blocks": 2}, calibration=random_calibration())
     selection = result.manifest["selection"]
-    assert selection["criterion"] == "fit_error_stream"
+    assert selection["criterion"] == "fit_error"
     scores = selection["scores_per_criterion"]
     assert set(scores) == {"angular_last", "angular_all", "block_influence", "fit_error", "fit_error_stream"}
     assert all(set(values) == {1, 2, 3, 4} for values in scores.values())
-    assert selection["start"] == min(scores["fit_error_stream"], key=scores["fit_error_stream"].get)
+    assert selection["start"] == min(scores["fit_error"], key=scores["fit_error"].get)
     assert selection["statistics"]["sums"] == "full"
     cka = blockfold.compress(tiny_model("llama"), tokenizer, {"blocks": 2, "criterion": "cka"},
                              calibration=random_calibration()).manifest["selection"]["scores_per_criterion"]

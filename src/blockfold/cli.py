@@ -115,7 +115,7 @@ def _add_compress(sub) -> None:
     p.add_argument("--ridge-alpha", type=float, help="L2 penalty of the closed-form fits")
     p.add_argument("--cosine-l1", type=float, help="cosine estimator: L1 penalty on the transform")
     p.add_argument("--criterion", choices=_choices("criterion"),
-                   help="span selection (default: fit_error_stream for replaceme, angular_last for uidl)")
+                   help="span selection (default: fit_error for replaceme, angular_last for uidl)")
     p.add_argument("--sandwich-fold", choices=["auto", "compare", "linearized-norm", "through-norm"],
                    help="Gemma-style post-MLP norms: how to fold the map (default auto: linearized-norm, through-norm "
                         "where that fit fails; compare: the lower loss on held-out calibration tokens)")

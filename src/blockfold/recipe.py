@@ -5,10 +5,12 @@ and the calibration data. It is saved next to every output with every default re
 can be repeated, and a report rebuilt, from the output folder alone. (Where and in what precision
 a job runs is not the recipe's business: see ``runtime.Execution``.)
 
-Version 4 (this one): ReplaceMe's ``sandwich_fold: auto`` folds ``linearized-norm`` (through-norm only
-where that fit is not finite). Version 3 packed calibration documents with EOS between them and a BOS
+Version 5 (this one): ReplaceMe's span ``criterion`` defaults to ``fit_error``. Version 4 made
+ReplaceMe's ``sandwich_fold: auto`` fold ``linearized-norm`` (through-norm only where that fit is not
+finite). Version 3 packed calibration documents with EOS between them and a BOS
 (where the tokenizer writes one) at the start of every sequence, and made ReplaceMe's ``ridge_alpha``
-per token as NBL's. Older recipes are read and migrated to what they ran: version 3's ``auto``, which
+per token as NBL's. Older recipes are read and migrated to what they ran: a ReplaceMe recipe of version 4
+or older that left the criterion to the default keeps ``fit_error_stream``; version 3's ``auto``, which
 kept the fold with the lower loss, becomes ``compare``; version 2 (settings under ``settings``) keeps
 its blank-line packing and its total ridge (divided by the recipe's tokens); version 1 (every field
 flat, unused ones included, ``criterion: null`` for "the default") goes through version 2.
@@ -26,7 +28,7 @@ from blockfold.errors import BlockfoldError
 from blockfold.schema import Strict
 from blockfold.settings import SETTINGS, MethodSettings
 
-RECIPE_VERSION = 4
+RECIPE_VERSION = 5
 
 
 class CalibrationConfig(Strict):
@@ -104,7 +106,7 @@ class Recipe(Strict):
     a flat field the method does not have is an error naming the method's own settings.
     """
 
-    recipe_version: Literal[4] = RECIPE_VERSION
+    recipe_version: Literal[5] = RECIPE_VERSION
     method: str = "replaceme"
     settings: SerializeAsAny[MethodSettings]
     calibration: CalibrationConfig = Field(default_factory=CalibrationConfig)
@@ -121,6 +123,8 @@ class Recipe(Strict):
             data = _migrate_v2(data)
         if data.get("recipe_version") == 3:
             data = _migrate_v3(data)
+        if data.get("recipe_version") == 4:
+            data = _migrate_v4(data)
         method = data.get("method", "replaceme")
         if method not in SETTINGS:
             raise ValueError(f"unknown method {method!r}; choose one of {', '.join(sorted(SETTINGS))}")
@@ -211,6 +215,15 @@ def _migrate_v3(data: dict) -> dict:
         if isinstance(settings, dict) else False
     if compared and data.get("method", "replaceme") == "replaceme" and settings.get("sandwich_fold", "auto") == "auto":
         settings = {**settings, "sandwich_fold": "compare"}
+    return {**data, "recipe_version": 4, "settings": settings}
+
+
+def _migrate_v4(data: dict) -> dict:
+    """A version 4 recipe as version 5: ReplaceMe's span criterion, left to the default, was
+    ``fit_error_stream``; version 5's default is ``fit_error``."""
+    settings = data.get("settings") or {}
+    if isinstance(settings, dict) and data.get("method", "replaceme") == "replaceme" and "criterion" not in settings:
+        settings = {**settings, "criterion": "fit_error_stream"}
     return {**data, "recipe_version": RECIPE_VERSION, "settings": settings}
 
 

@@ -116,9 +116,11 @@ class ReplaceMe(SpanSelection):
 
     method: ClassVar[str] = "replaceme"
 
-    # span selection (select/spans.py): the fitted map's per-token error relative to the residual
-    # stream, measured best on SmolLM2-135M (BENCHMARKS.md "Which span?")
-    criterion: SpanCriterion = "fit_error_stream"
+    # span selection (select/spans.py): the fitted map's relative error, the criterion whose span was
+    # best or tied at every budget checked on held-out text (SmolLM2-135M 4, 8, 12 blocks; Gemma-3-270m 4);
+    # fit_error_stream, the default before recipe version 5, picked 1.4-1.9x worse spans at 12 and on Gemma
+    # (BENCHMARKS.md "Defaults on held-out data")
+    criterion: SpanCriterion = "fit_error"
     # greedy: one block per round, wherever it is, the one whose removal after its own map loses least
     greedy: bool = False
     # the map (estimate/): closed form from the streamed normal equations, or cosine (numerical, from

@@ -224,8 +224,8 @@ def _shared_span_pass(handle, calibration, lengths: list[int], execution: Execut
     """Measure, once, everything any span method at any of ``lengths`` needs, into ``cache``."""
     from blockfold.methods.replaceme import measure_spans
 
-    measure_spans(_span_job(handle, calibration, execution, cache), lengths, max(lengths), "fit_error_stream",
-                  all_criteria=True)
+    job = _span_job(handle, calibration, execution, cache)
+    measure_spans(job, lengths, max(lengths), job.settings.criterion, all_criteria=True)
 
 
 def placement_study(handle, calibration, blocks: int, windows, eval_dtype: str = "float32",
@@ -244,8 +244,8 @@ def placement_study(handle, calibration, blocks: int, windows, eval_dtype: str =
         raise BlockfoldError("the placement study measures perplexity: give a perplexity text")
     execution = execution or Execution()
     cache = cache if cache is not None else PassCache()  # every start's compress reuses this one pass
-    measured = measure_spans(_span_job(handle, calibration, execution, cache), [blocks], blocks, "fit_error_stream",
-                             all_criteria=True)
+    job = _span_job(handle, calibration, execution, cache)
+    measured = measure_spans(job, [blocks], blocks, job.settings.criterion, all_criteria=True)
     scores = span_criteria(measured.distances, measured.tables, measured.moments,
                            lambda eq: fit_span_map(eq, "lstsq", warn=False)[0])
     rows = []

@@ -99,7 +99,7 @@ def measure_spans(job: Job, lengths: list[int], max_length: int, criterion: str,
         if cached is not None:
             return SpanMeasurement(cached.distances, [t for t in cached.tables if t.fit_length in lengths],
                                    cached.moments, lengths, cached.max_length, cached.equations, cached.screening)
-    measured = _measure(job, lengths, max_length, moments, need_all)
+    measured = _measure(job, lengths, max_length, moments, need_all, _screened_by(criterion))
     if job.cache is not None:
         job.cache.add("spans", fingerprint, job.calibration, {"lengths": lengths, "max_length": max_length,
                                                               "moments": moments, "equations": measured.equations},
@@ -107,7 +107,14 @@ def measure_spans(job: Job, lengths: list[int], max_length: int, criterion: str,
     return measured
 
 
-def _measure(job: Job, lengths: list[int], max_length: int, moments: bool, need_all: bool) -> SpanMeasurement:
+def _screened_by(criterion: str) -> str:
+    """The fit criterion whose diagonal stand-in screens candidates: the chosen one, or the default's
+    when a pass that measures every criterion is made for another."""
+    return criterion if criterion in _FIT_CRITERIA else ReplaceMe.model_fields["criterion"].default
+
+
+def _measure(job: Job, lengths: list[int], max_length: int, moments: bool, need_all: bool,
+             screen_by: str) -> SpanMeasurement:
     num_layers, d = job.num_layers, job.hidden_size
     estimator = getattr(job.settings, "estimator", "identity")
     weighted = need_all  # the per-token weighted sums serve fit_error_stream only
@@ -132,18 +139,19 @@ def _measure(job: Job, lengths: list[int], max_length: int, moments: bool, need_
     measured = SpanMeasurement(tables[0], tables, observers[-1].finalize() if moments else None, lengths,
                                max_length, mode)
     if mode == "screened":
-        _screen(job, measured, budget)
+        _screen(job, measured, budget, screen_by)
     return measured
 
 
-def _screen(job: Job, measured: SpanMeasurement, budget: int) -> None:
-    """Keep the best K starts of each length by the diagonal map's fit_error_stream, then one more
-    pass for their full sums; ``measured.tables`` then hold exact sums for those K only."""
+def _screen(job: Job, measured: SpanMeasurement, budget: int, criterion: str) -> None:
+    """Keep the best K starts of each length by the diagonal map's score under the chosen fit
+    criterion, then one more pass for their full sums; ``measured.tables`` then hold exact sums for
+    those K only."""
     per_start = SpanStatistics.sums_bytes_for(1, job.hidden_size, "full", True)
     count = max(1, budget // (per_start * len(measured.lengths)))
     kept: dict[int, list[int]] = {}
     for table in measured.tables:
-        proxy = table.diagonal_fit_error_stream
+        proxy = table.diagonal_fit_error if criterion == "fit_error" else table.diagonal_fit_error_stream
         measured.screening[table.fit_length] = proxy
         kept[table.fit_length] = sorted(sorted(proxy, key=proxy.get)[:count])
     fits = [SpanStatistics(job.num_layers, 0, length, starts=kept[length]) for length in measured.lengths]
@@ -152,7 +160,7 @@ def _screen(job: Job, measured: SpanMeasurement, budget: int) -> None:
     for table in measured.tables:
         table.normal_equations = exact[table.fit_length].normal_equations
         table.stream_weighted_equations = exact[table.fit_length].stream_weighted_equations
-    job.notes["screening"] = {"kept_per_length": count, "by": "the diagonal map's fit_error_stream",
+    job.notes["screening"] = {"kept_per_length": count, "by": f"the diagonal map's {criterion}",
                               "kept": {str(k): v for k, v in kept.items()}}
 
 
@@ -365,7 +373,7 @@ def _compress_greedy(job: Job, budget: int) -> dict:
     original_index = list(range(job.num_layers))
     steps = []
     for round_number in range(budget):
-        measured = _measure(job, [1], 1, criterion in _MOMENT_CRITERIA, criterion in _FIT_CRITERIA)
+        measured = _measure(job, [1], 1, criterion in _MOMENT_CRITERIA, criterion in _FIT_CRITERIA, _screened_by(criterion))
         scores = span_criteria(measured.distances, measured.tables, measured.moments, _scoring_map(settings))
         choice = best_span(scores[criterion], 1, criterion)
         equations = measured.tables[0].normal_equations.get(choice.start)

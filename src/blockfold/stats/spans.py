@@ -61,7 +61,9 @@ class SpanTable:
     stream_weighted_equations: dict[int, NormalEquations]
     fit_length: int
     tokens: int
-    # start → the diagonal map's fit_error_stream (screening passes only)
+    # start → the diagonal map's fit_error and fit_error_stream (screening passes only): each fit
+    # criterion screens candidates by its own cheap stand-in
+    diagonal_fit_error: dict[int, float] = field(default_factory=dict)
     diagonal_fit_error_stream: dict[int, float] = field(default_factory=dict)
 
     def criterion(self, name: str) -> np.ndarray:
@@ -246,8 +248,9 @@ class SpanStatistics:
                                float(w["identity"]), self.tokens)
             for i, w in self._weighted.items()
         }
-        screening = {i: self._diagonal_stream_error(i) for i in self.fit_starts if i in self._xty} \
-            if self.equations == "diagonal" and self.stream_weighted else {}
+        screened = [i for i in self.fit_starts if i in self._xty] if self.equations == "diagonal" else []
+        screening = {i: self._diagonal_error(i) for i in screened}
+        stream_screening = {i: self._diagonal_stream_error(i) for i in screened} if self.stream_weighted else {}
         return SpanTable(
             angular_all=self.angular_all / tokens * valid,
             angular_last=self.angular_last / seqs * valid,
@@ -256,8 +259,15 @@ class SpanStatistics:
             stream_weighted_equations=weighted,
             fit_length=self.fit_length or 0,
             tokens=self.tokens,
-            diagonal_fit_error_stream=screening,
+            diagonal_fit_error=screening,
+            diagonal_fit_error_stream=stream_screening,
         )
+
+    def _diagonal_error(self, start: int) -> float:
+        """``fit_error`` of the best per-channel scale (the diagonal map, from the diagonals alone)."""
+        scale = self._xty[start] / self._xtx[start].clamp(min=1e-300)
+        error = self._yty[start] - float((scale * self._xty[start]).sum())
+        return error / max(self._yty[start], 1e-300)
 
     def _diagonal_stream_error(self, start: int) -> float:
         """``fit_error_stream`` of the best per-channel scale (the diagonal map, from the diagonals
