@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
 
 import pytest
 from conftest import SHARED_DATA, tiny_model, tiny_tokenizer
@@ -118,3 +119,19 @@ def test_tasks_work_without_the_data_folder_and_ppl_names_where_to_get_wikitext(
     assert main(["eval", "--model", str(folder), "--tasks", "piqa", "--limit", "2", "--baseline", "none"]) == 0
     assert main(["eval", "--model", str(folder), "--baseline", "none", "--ppl", str(tmp_path / "wikitext2_test.txt")]) == 2
     assert "wikitext-2-raw-v1" in capsys.readouterr().err
+
+
+def test_standard_errors_are_bootstrapped_in_process(monkeypatch):
+    """lm-eval's fork pool for bootstrapped stderrs deadlocked once in CI after torch's threads started;
+    its DISABLE_MULTIPROC switch is on during an evaluation and restored after."""
+    import multiprocessing
+
+    import lm_eval.api.metrics as metrics
+
+    from blockfold.eval import tasks
+
+    monkeypatch.delenv("DISABLE_MULTIPROC", raising=False)
+    monkeypatch.setattr(multiprocessing, "Pool", lambda *a, **k: pytest.fail("a fork pool was started"))
+    with tasks._bootstrap_in_process():
+        assert metrics.bootstrap_stderr(metrics.median, [1.0, 2.0, 3.0, 4.0], tasks.BOOTSTRAP_ITERS) > 0
+    assert "DISABLE_MULTIPROC" not in os.environ

@@ -14,6 +14,7 @@ import functools
 import importlib.util
 import math
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -134,6 +135,26 @@ def _mmlu_configs(folder: Path | None) -> list[dict]:
             for subject in sorted(p for p in folder.iterdir() if p.is_dir())]
 
 
+#: resamples for the standard errors lm-eval bootstraps (perplexity, F1, ...): its 100,000 only pays
+#: off in its fork pool, which can deadlock once torch's threads run (seen in CI: a pool worker stuck on
+#: the queue's lock), so blockfold bootstraps in process with fewer (about 2 % error on the stderr)
+BOOTSTRAP_ITERS = 1000
+
+
+@contextmanager
+def _bootstrap_in_process():
+    """lm-eval's documented switch (``DISABLE_MULTIPROC``) for the duration of one evaluation."""
+    before = os.environ.get("DISABLE_MULTIPROC")
+    os.environ["DISABLE_MULTIPROC"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("DISABLE_MULTIPROC", None)
+        else:
+            os.environ["DISABLE_MULTIPROC"] = before
+
+
 def evaluate_tasks(model, tokenizer, names: list[str], limit: int | None = None, fewshot: int = 0,
                    batch_size: int = 8, data: str = "offline", data_dir: Path = DATA_DIR) -> dict[str, dict]:
     """``{task: {"metrics": {metric: value}, "stderr": {metric: se}, "samples": n, "split": ...}}``."""
@@ -146,8 +167,10 @@ def evaluate_tasks(model, tokenizer, names: list[str], limit: int | None = None,
     results = {}
     for name, task_list in configs.items():
         tasks = [ConfigurableTask(config=config) for config in task_list]
-        output = simple_evaluate(model=lm, tasks=tasks, task_manager=_task_manager(), num_fewshot=fewshot, limit=limit, log_samples=False,
-                                 bootstrap_iters=0 if len(tasks) > 1 else 100000, verbosity="WARNING")
+        with _bootstrap_in_process():
+            output = simple_evaluate(model=lm, tasks=tasks, task_manager=_task_manager(), num_fewshot=fewshot, limit=limit,
+                                     log_samples=False, bootstrap_iters=0 if len(tasks) > 1 else BOOTSTRAP_ITERS,
+                                     verbosity="WARNING")
         per_task = []
         for config in task_list:
             raw = output["results"][config["task"]]
