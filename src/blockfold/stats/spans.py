@@ -263,16 +263,19 @@ class SpanStatistics:
             diagonal_fit_error_stream=stream_screening,
         )
 
+    def _diagonal_scale(self, start: int):
+        """The best per-channel scale (the diagonal map), from the diagonals of the sums alone."""
+        return self._xty[start] / self._xtx[start].clamp(min=1e-300)
+
     def _diagonal_error(self, start: int) -> float:
-        """``fit_error`` of the best per-channel scale (the diagonal map, from the diagonals alone)."""
-        scale = self._xty[start] / self._xtx[start].clamp(min=1e-300)
+        """``fit_error`` of the diagonal map: a cheap stand-in for the full map's, to screen with."""
+        scale = self._diagonal_scale(start)
         error = self._yty[start] - float((scale * self._xty[start]).sum())
         return error / max(self._yty[start], 1e-300)
 
     def _diagonal_stream_error(self, start: int) -> float:
-        """``fit_error_stream`` of the best per-channel scale (the diagonal map, from the diagonals
-        alone): a cheap stand-in for the full map's, to screen candidates with."""
-        scale = self._xty[start] / self._xtx[start].clamp(min=1e-300)
+        """``fit_error_stream`` of the diagonal map: a cheap stand-in for the full map's."""
+        scale = self._diagonal_scale(start)
         weighted = self._weighted[start]
         error = (scale * scale * weighted["xtx"]).sum() - 2 * (scale * weighted["xty"]).sum() + weighted["yty"]
         return float(error) / max(self.tokens, 1)
