@@ -33,6 +33,7 @@ from blockfold.methods.replaceme import measure_spans
 from blockfold.pipelines import Runner
 from blockfold.recipe import CalibrationConfig, Recipe
 from blockfold.select import LINEARITY_CRITERIA, SPAN_CRITERIA, best_span, span_criteria
+from blockfold.adapters import get_adapter
 from blockfold.settings import NBL, ReplaceMe
 
 DATA = Path(os.environ.get("BLOCKFOLD_DATA", "../shared/data"))
@@ -109,7 +110,7 @@ def nbl_study(loaded, layers: int, calibration, texts: dict) -> dict:
         rows.append({"candidate": criterion, "layers": result.manifest["replaced"]["layers"],
                      "perplexity": measure(result.model, texts, f"nbl {criterion}")})
         print(json.dumps(rows[-1]), flush=True)
-    return {"default": NBL.model_fields["linearity_criterion"].default, "rows": rows}
+    return {"default": NBL().resolved_criterion(get_adapter(loaded.model)), "rows": rows}
 
 
 def verdict(study: dict) -> dict:

@@ -310,11 +310,9 @@ def _default_of_its_version(run: dict, method: str, field: str) -> str:
     """The ranking a run's recipe version used by default (its migration to today's version fills it
     in), so a row stays labelled with the default it ran under after a default changes."""
     from blockfold.recipe import Recipe
-    from blockfold.settings import SETTINGS
 
-    recipe = run.get("recipe")
-    if not recipe:
-        return SETTINGS[method].model_fields[field].default
+    # runs from before recipes were recorded ran under version 2's defaults
+    recipe = run.get("recipe") or {"recipe_version": 2, "method": method, "settings": {}}
     settings = {key: value for key, value in recipe["settings"].items() if key != field}
     return getattr(Recipe.parse({**recipe, "settings": settings}).settings, field)
 

@@ -144,7 +144,8 @@ def test_smollm2_nbl_beats_drop_attention_and_ships_its_modeling_code(smollm2, t
     observer = SublayerLinearity(30, "attention")
     stream(smollm2.model, calibration, [observer])
     statistics = observer.finalize()
-    criterion = Recipe(method="nbl", attention_layers=4, calibration=config).settings.linearity_criterion
+    criterion = Recipe(method="nbl", attention_layers=4, calibration=config).settings.resolved_criterion(
+        get_adapter(smollm2.model))
     scores = {name: dict(enumerate(score_layers(statistics, name))) for name in ("cosine", criterion)}
     nbl_model, drop_model = copy.deepcopy(smollm2.model), copy.deepcopy(smollm2.model)
     nbl_layers = lowest_scoring(scores[criterion], 4)

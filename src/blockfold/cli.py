@@ -100,9 +100,11 @@ def _add_compress(sub) -> None:
     p.add_argument("--blocks", type=int, help="number of blocks to remove or linearize (block methods)")
     p.add_argument("--attn", type=int, help="number of attention layers to linearize or drop (nbl, drop-attn)")
     p.add_argument("--ratio", type=float, help="share of blocks (or attention layers) instead of --blocks/--attn")
-    p.add_argument("--linearity-criterion", choices=["cca", "nmse", "cosine", "stream"],
-                   help="nbl/nbl-block: rank layers by cosine distance (default: measured best), CCA bound "
-                        "(the NBL paper's), LMMSE NMSE, or LMMSE error relative to the residual stream")
+    p.add_argument("--linearity-criterion", choices=["auto", "cca", "nmse", "cosine", "stream"],
+                   help="nbl/nbl-block: rank layers by cosine distance, CCA bound (the NBL paper's), LMMSE NMSE, or "
+                        "LMMSE error relative to the residual stream; nbl's default auto ranks by nmse where "
+                        "attention's output is normed before the residual add (Gemma) and by cosine elsewhere, "
+                        "each measured best there; nbl-block's default is cosine")
     p.add_argument("--greedy", action="store_true", default=None,
                    help="recompute statistics after each replacement (k passes); replaceme: remove one block per "
                         "round, wherever it is, the one whose removal after its own fitted map loses least")
@@ -336,8 +338,8 @@ def cmd_compress(args) -> int:
     selection = manifest["selection"]
     settings = recipe.settings
     detail = {"replaceme": lambda: f" / {settings.estimator}" + (f" (rank {settings.rank})" if settings.rank else ""),
-              "nbl": lambda: f" / {settings.linearity_criterion}",
-              "nbl-block": lambda: f" / {settings.linearity_criterion}"}.get(recipe.method, lambda: "")()
+              "nbl": lambda: f" / {selection['criterion']}",
+              "nbl-block": lambda: f" / {selection['criterion']}"}.get(recipe.method, lambda: "")()
     run = manifest["execution"]
     rows = [
         ("model", f"{args.model} ({manifest['architecture']['model_type']})"),

@@ -157,7 +157,7 @@ def plan_for(spec: str, recipe: Recipe, execution: Execution, accelerator_memory
         target = "block" if recipe.method == "nbl-block" else "attention"
         per_layer = SublayerLinearity.sums_bytes_for(1, d)
         observers.append(SublayerLinearity(num_layers, target))
-        criterion = getattr(settings, "linearity_criterion", "cosine")
+        criterion = settings.resolved_criterion(adapter) if hasattr(settings, "resolved_criterion") else "cosine"
         rounds = count if settings.greedy else 1
         if per_layer * num_layers <= budget:
             sums, per_round = per_layer * num_layers, 1

@@ -28,7 +28,7 @@ from blockfold.errors import BlockfoldError
 from blockfold.schema import Strict
 from blockfold.settings import SETTINGS, MethodSettings
 
-RECIPE_VERSION = 5
+RECIPE_VERSION = 6
 
 
 class CalibrationConfig(Strict):
@@ -106,7 +106,7 @@ class Recipe(Strict):
     a flat field the method does not have is an error naming the method's own settings.
     """
 
-    recipe_version: Literal[5] = RECIPE_VERSION
+    recipe_version: Literal[6] = RECIPE_VERSION
     method: str = "replaceme"
     settings: SerializeAsAny[MethodSettings]
     calibration: CalibrationConfig = Field(default_factory=CalibrationConfig)
@@ -125,6 +125,8 @@ class Recipe(Strict):
             data = _migrate_v3(data)
         if data.get("recipe_version") == 4:
             data = _migrate_v4(data)
+        if data.get("recipe_version") == 5:
+            data = _migrate_v5(data)
         method = data.get("method", "replaceme")
         if method not in SETTINGS:
             raise ValueError(f"unknown method {method!r}; choose one of {', '.join(sorted(SETTINGS))}")
@@ -224,6 +226,15 @@ def _migrate_v4(data: dict) -> dict:
     settings = data.get("settings") or {}
     if isinstance(settings, dict) and data.get("method", "replaceme") == "replaceme" and "criterion" not in settings:
         settings = {**settings, "criterion": "fit_error_stream"}
+    return {**data, "recipe_version": 5, "settings": settings}
+
+
+def _migrate_v5(data: dict) -> dict:
+    """A version 5 recipe as version 6: NBL's ranking, left to the default, was ``cosine`` on every
+    architecture; version 6's default ``auto`` ranks by ``nmse`` on sandwich-norm attention."""
+    settings = data.get("settings") or {}
+    if isinstance(settings, dict) and data.get("method", "replaceme") == "nbl" and "linearity_criterion" not in settings:
+        settings = {**settings, "linearity_criterion": "cosine"}
     return {**data, "recipe_version": RECIPE_VERSION, "settings": settings}
 
 

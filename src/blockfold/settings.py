@@ -162,20 +162,32 @@ class NBL(AttentionBudget):
     """Replace the most linear attention sublayers by their LMMSE maps (no KV cache for them)."""
 
     method: ClassVar[str] = "nbl"
-    # cosine (DROP's ranking, then the LMMSE map instead of nothing) measured best on SmolLM2-135M at
-    # 4, 8 and 12 layers (BENCHMARKS.md); cca is the NBL paper's
-    linearity_criterion: LinearityCriterion = "cosine"
+    # auto (recipe version 6) ranks by nmse where attention's output passes a norm before the residual
+    # add (Gemma's sandwich blocks) and by cosine (DROP's ranking) elsewhere: on held-out text cosine
+    # was best on SmolLM2-135M at 4, 8 and 12 layers and nmse on Gemma-3-270m at 4 and 6, where cosine
+    # was 1.1-2.2x worse (BENCHMARKS.md "Defaults on held-out data"); cca is the NBL paper's
+    linearity_criterion: LinearityCriterion | Literal["auto"] = "auto"
     greedy: bool = False  # recompute the statistics after each replacement (k passes)
     ridge_alpha: float = Field(0.0, ge=0)
+
+    def resolved_criterion(self, adapter) -> LinearityCriterion:
+        """The ranking that runs on an architecture (``adapter``): ``auto``'s rule, or the one named."""
+        if self.linearity_criterion != "auto":
+            return self.linearity_criterion
+        return "nmse" if adapter.post_attention_norm else "cosine"
 
 
 class NBLBlock(BlockBudget):
     """Replace the most linear whole blocks by their LMMSE maps."""
 
     method: ClassVar[str] = "nbl-block"
+    # cosine measured best on SmolLM2-135M at 8 blocks; not yet measured on a sandwich-norm model
     linearity_criterion: LinearityCriterion = "cosine"
     greedy: bool = False
     ridge_alpha: float = Field(0.0, ge=0)
+
+    def resolved_criterion(self, adapter) -> LinearityCriterion:
+        return self.linearity_criterion
 
 
 class DropAttention(AttentionBudget):

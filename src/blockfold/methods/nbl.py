@@ -119,6 +119,8 @@ def _compress(job: Job, target: str, count: int, criterion: str, replacement: st
         "replaced": {"target": target, "layers": sorted(chosen), "replacement": replacement},
         "selection": {
             "criterion": criterion,
+            **({"criterion_rule": "auto: nmse where attention's output is normed before the residual add, cosine "
+                                  "elsewhere"} if getattr(settings, "linearity_criterion", None) == "auto" else {}),
             "greedy": settings.greedy,
             "score": sum(chosen.values()) / len(chosen),
             "chosen_scores": chosen,
@@ -133,12 +135,12 @@ def _compress(job: Job, target: str, count: int, criterion: str, replacement: st
 
 def compress_nbl(job: Job) -> dict:
     count = job.settings.num_attention_layers(job.num_layers)
-    return _compress(job, "attention", count, job.settings.linearity_criterion, "linear")
+    return _compress(job, "attention", count, job.settings.resolved_criterion(job.adapter), "linear")
 
 
 def compress_nbl_block(job: Job) -> dict:
     count = job.settings.num_blocks(job.num_layers)
-    return _compress(job, "block", count, job.settings.linearity_criterion, "linear")
+    return _compress(job, "block", count, job.settings.resolved_criterion(job.adapter), "linear")
 
 
 def compress_drop_attention(job: Job) -> dict:
