@@ -47,13 +47,23 @@ class Execution(Strict):
     # bytes the statistics (float64 sums) may take; None: a quarter of the free memory where they live.
     # Beyond it, span candidates are screened with cheap statistics first (one more pass)
     stats_memory: int | None = Field(None, ge=1)
+    # a folder where each pass's statistics are checkpointed as it advances, so the same job started
+    # again resumes from there (the CLI uses .<out>.resume beside the output); None: no checkpoints
+    resume_dir: str | None = None
+    # seconds between checkpoints; None: at least 10 s and at most 5 % of the pass spent writing them
+    checkpoint_seconds: float | None = Field(None, ge=0)
+    # a folder of finished passes shared by jobs: a pass over the same weights, calibration tokens and
+    # statistics is loaded from it instead of run
+    stats_cache: str | None = None
 
 
 def resolve_device(spec: str) -> torch.device:
     """``auto`` → the first CUDA GPU when torch sees one, else the CPU; a device that is not there
     is one clear error naming what is."""
+    # under torchrun each process takes the GPU of its local rank
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if spec == "auto":
-        return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+        return torch.device("cuda", local_rank % torch.cuda.device_count()) if torch.cuda.is_available() else torch.device("cpu")
     try:
         device = torch.device(spec)
     except RuntimeError:
@@ -67,7 +77,7 @@ def resolve_device(spec: str) -> torch.device:
         if device.index is not None and device.index >= count:
             raise BlockfoldError(f"--device {spec}: this machine has {count} CUDA GPU(s), cuda:0..cuda:{count - 1}")
         if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
+            device = torch.device("cuda", local_rank % count if "LOCAL_RANK" in os.environ else torch.cuda.current_device())
     elif device.type != "cpu" and device.index is None:
         device = torch.device(device.type, 0)  # tensors report an index: keep comparisons exact
     return device

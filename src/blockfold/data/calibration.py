@@ -42,6 +42,10 @@ class Batch:
     def num_tokens(self) -> int:
         return int(self.attention_mask.sum())
 
+    def rows(self, first: int, last: int) -> "Batch":
+        """Sequences ``first``..``last - 1`` of the batch."""
+        return Batch(self.input_ids[first:last], self.attention_mask[first:last])
+
 
 @dataclass
 class CalibrationSet:

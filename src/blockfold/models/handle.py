@@ -130,19 +130,28 @@ class ModelHandle:
         return self.store.reader.floating_dtype() if self.store.reader is not None else self.model.dtype
 
     def fingerprint(self) -> str:
-        """A short content hash: of the weights for a resident model, of the checkpoint's tensor
-        names, shapes and dtypes plus its files' sizes for a streamed one (reading every weight to hash
-        it would cost a pass)."""
+        """A short content hash: of the weights for a resident model; for a streamed one, of the
+        checkpoint's tensor names, shapes, dtypes and file sizes (reading every weight to hash it would
+        cost a pass), which tensor each parameter is now, and the edited or owned ones' values (a fold
+        or a removal changes the fingerprint, so a cached pass is never served to changed weights)."""
         if self.resident:
             from blockfold.models.sources import model_fingerprint
 
             return model_fingerprint(self.model)
         digest = hashlib.sha256()
-        reader = self.store.reader
+        reader, store = self.store.reader, self.store
         for name in sorted(reader.names()):
             digest.update(f"{name} {reader.shape(name)} {reader.dtype(name)}".encode())
         for path in sorted(reader.folder.glob("*.safetensors")):
             digest.update(f"{path.name} {path.stat().st_size}".encode())
+        for module_name, module in self.model.named_modules():
+            for attr, param in module._parameters.items():
+                if param is None:
+                    continue
+                digest.update(f"{module_name}.{attr} {store.source_name(module, attr)}".encode())
+                if store.edits.get(module, {}).get(attr) or attr in store.owned.get(module, {}):
+                    flat = store.value(module, attr).reshape(-1)
+                    digest.update(flat[:: max(1, flat.numel() // 4096)].double().cpu().numpy().tobytes())
         return digest.hexdigest()[:16]
 
     # -- running modules --------------------------------------------------------------------

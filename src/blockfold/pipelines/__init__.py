@@ -8,17 +8,24 @@ settings, and sizes the chunks of the sequential pipeline from a memory budget.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable
+from pathlib import Path
 
 import torch
 
+from blockfold import distributed
 from blockfold.data import Batch
+from blockfold.pipelines.capture import split_rows
+from blockfold.pipelines.persist import Checkpoints, StatsCache, calibration_digest, pass_key
 from blockfold.models.handle import ModelHandle
 from blockfold.pipelines.sequential import LayerProgram, chunks_of, run_sequential, sequences_for_budget
 from blockfold.pipelines.whole import run_whole
 from blockfold.runtime import Execution, free_memory
 from blockfold.stats.activations import Observer
+
+log = logging.getLogger(__name__)
 
 #: share of a GPU's free memory (after the statistics) that a chunk's activations and windows may take
 ACTIVATION_SHARE = {"cuda": 0.7}
@@ -37,8 +44,14 @@ class Runner:
     def __init__(self, handle: ModelHandle, execution: Execution | None = None):
         self.handle = handle
         self.execution = execution or Execution()
+        self.ranks = distributed.current()
         self.passes = 0
         self.pass_seconds = 0.0  # time spent in passes, so the rest of a job (selection, fits) can be told apart
+        self.cached_passes = 0
+        self.resumed_passes = 0
+        self.checkpoints = (Checkpoints(Path(self.execution.resume_dir), self.ranks.rank, self.execution.checkpoint_seconds)
+                            if self.execution.resume_dir else None)
+        self.cache = StatsCache(self.execution.stats_cache) if self.execution.stats_cache else None
 
     @property
     def pipeline(self) -> str:
@@ -47,15 +60,48 @@ class Runner:
         return "whole"
 
     def run(self, batches: Iterable[Batch], observers: list[Observer], description: str = "calibration pass") -> None:
+        """One pass: this process's shard of ``batches`` through the pipeline (from a checkpoint when
+        there is one), then the shards' statistics combined; or the pass loaded from the cache."""
         batches = list(batches)
         self.passes += 1
         started = time.perf_counter()
-        if self.pipeline == "whole":
-            run_whole(self.handle, batches, observers, description, self.sequences_per_group(batches, observers))
+        key = fingerprint = None
+        if self.checkpoints is not None or self.cache is not None:
+            fingerprint = self.handle.fingerprint()
+            key = pass_key(fingerprint, self.handle.dtype, calibration_digest(batches), observers)
+        if self.cache is not None and distributed.all_agree(self.cache.load(key, fingerprint, observers, self.handle.device)):
+            self.cached_passes += 1
+            log.info("%s: loaded from the statistics cache %s", description, self.cache.folder)
         else:
-            run_sequential(self.handle, batches, observers, self.store_kind(),
-                           self.sequences_per_chunk(batches, observers), self.execution.offload_dir, description)
+            self._run_shard(batches, observers, description, key)
+            distributed.reduce_observers(observers, self.ranks)
+            if self.cache is not None and self.ranks.is_main:
+                self.cache.save(key, fingerprint, observers, description)
         self.pass_seconds += time.perf_counter() - started
+
+    def _run_shard(self, batches: list[Batch], observers: list[Observer], description: str, key: str | None) -> None:
+        shard, offset = distributed.shard(batches, self.ranks)
+        sequential = self.pipeline == "sequential"
+        size = self.sequences_per_chunk(shard, observers) if sequential else self.sequences_per_group(shard, observers)
+        done = 0
+        if self.checkpoints is not None:
+            restored = self.checkpoints.restore(self.passes, key, observers, self.handle.device)
+            if restored is not None:
+                done, size = restored
+                self.resumed_passes += 1
+        groups = chunks_of(shard, size) if sequential else split_rows(shard, size)
+        skipped = offset + sum(_tokens(group) for group in groups[:done])
+        for observer in observers:
+            if skipped and hasattr(observer, "skip"):
+                observer.skip(skipped)
+        after = self.checkpoints.writer(self.passes, key, len(groups), size, observers) if self.checkpoints else None
+        if done == len(groups):
+            return
+        if sequential:
+            run_sequential(self.handle, groups, observers, self.store_kind(), self.execution.offload_dir, description,
+                           done, after, show=self.ranks.is_main)
+        else:
+            run_whole(self.handle, groups, observers, description, done, after, show=self.ranks.is_main)
 
     def store_kind(self) -> str:
         """Where activations wait between layers: the device unless offloading was asked for."""
@@ -104,6 +150,10 @@ class Runner:
             return self.execution.stats_memory
         free = free_memory(self.handle.device) or free_memory(torch.device("cpu")) or (8 << 30)
         return int(free * STATS_SHARE)
+
+
+def _tokens(group: Batch | list[Batch]) -> int:
+    return sum(batch.num_tokens for batch in group) if isinstance(group, list) else group.num_tokens
 
 
 def run_observers(model, calibration: Iterable[Batch], observers: list[Observer], execution: Execution | None = None,

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -118,21 +118,24 @@ def chunks_of(batches: list[Batch], sequences_per_chunk: int | None) -> list[lis
     return grouped
 
 
-def run_sequential(handle: ModelHandle, batches: list[Batch], observers: list[Observer], store_kind: str,
-                   sequences_per_chunk: int | None = None, offload_dir: str | None = None,
-                   description: str = "calibration pass") -> None:
-    """One pass of ``batches`` through layers 0..(deepest observed), layer by layer per chunk."""
+def run_sequential(handle: ModelHandle, chunks: list[list[Batch]], observers: list[Observer], store_kind: str,
+                   offload_dir: str | None = None, description: str = "calibration pass", first_chunk: int = 0,
+                   after_chunk: Callable[[int], None] | None = None, show: bool = True) -> None:
+    """Chunks ``first_chunk``.. of ``chunks`` through layers 0..(deepest observed), layer by layer per
+    chunk; ``after_chunk(n)`` once ``n`` chunks are done."""
     last_layer = max(obs.last_layer for obs in observers)
     attention = needs_attention(observers)
-    chunks = chunks_of(list(batches), sequences_per_chunk)
+    chunks = chunks[first_chunk:]
     d = handle.adapter.hidden_size(handle.model)
     needed = [sum(batch.input_ids.numel() for batch in chunk) * d * handle.dtype.itemsize for chunk in chunks]
     if store_kind == "disk":  # a folder without room fails before the pass, not in its middle
-        check_offload_dir(offload_dir, max(needed))
-    with tqdm(total=len(chunks) * (last_layer + 1), desc=description, unit="layer") as progress:
-        for chunk, chunk_bytes in zip(chunks, needed):
+        check_offload_dir(offload_dir, max(needed, default=0))
+    with tqdm(total=len(chunks) * (last_layer + 1), desc=description, unit="layer", disable=not show) as progress:
+        for number, (chunk, chunk_bytes) in enumerate(zip(chunks, needed), start=first_chunk + 1):
             _run_chunk(handle, chunk, observers, last_layer, attention, progress,
                        ActivationStore(store_kind, handle.device, offload_dir, chunk_bytes))
+            if after_chunk is not None:
+                after_chunk(number)
 
 
 def _run_chunk(handle: ModelHandle, chunk: list[Batch], observers: list[Observer], last_layer: int, attention: bool,

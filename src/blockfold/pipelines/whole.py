@@ -2,20 +2,20 @@
 decoder (no LM head), hooks handing each layer's activations to the observers as it finishes; the
 pass stops after the deepest layer any observer needs. The fast path when the model fits.
 
-A batch larger than ``sequences_per_group`` runs as several smaller forwards: the observers' windows
-and float64 working copies grow with the tokens of one forward, and on a CPU they, not the compute,
-set the pass's memory (the forward's cost per token barely changes with its size there)."""
+The runner hands it groups of sequences (a batch, or part of one): on a CPU it splits batches so the
+observers' windows and float64 working copies, which grow with the tokens of one forward and there
+set the pass's memory, stay bounded (the forward's cost per token barely changes with its size)."""
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Callable
 
 import torch
 from tqdm.auto import tqdm
 
 from blockfold.data import Batch
 from blockfold.models.handle import ModelHandle
-from blockfold.pipelines.capture import SublayerCapture, check_finite, first, flatten, last_token_rows, needs_attention, split_rows
+from blockfold.pipelines.capture import SublayerCapture, check_finite, first, flatten, last_token_rows, needs_attention
 from blockfold.runtime import release_free_memory
 from blockfold.stats.activations import LayerActivations, Observer
 
@@ -25,8 +25,9 @@ class _StopForward(Exception):
 
 
 @torch.no_grad()
-def run_whole(handle: ModelHandle, batches: Iterable[Batch], observers: list[Observer],
-              description: str = "calibration pass", sequences_per_group: int | None = None) -> None:
+def run_whole(handle: ModelHandle, groups: list[Batch], observers: list[Observer], description: str = "calibration pass",
+              first_group: int = 0, after_group: Callable[[int], None] | None = None, show: bool = True) -> None:
+    """Groups ``first_group``.. of ``groups`` through the model; ``after_group(n)`` once ``n`` groups are done."""
     model, adapter, device = handle.model, handle.adapter, handle.device
     layers = adapter.layers(model)
     last_layer = max(obs.last_layer for obs in observers)
@@ -58,19 +59,23 @@ def run_whole(handle: ModelHandle, batches: Iterable[Batch], observers: list[Obs
     captures = [SublayerCapture(layer, adapter, attention, state) for layer in layers[: last_layer + 1]]
     handles += [layer.register_forward_hook(finish_layer(index)) for index, layer in enumerate(layers[: last_layer + 1])]
     try:
-        for batch in tqdm(split_rows(list(batches), sequences_per_group), desc=description, unit="batch"):
-            mask = batch.attention_mask.to(device).bool()
-            state.clear()
-            state["mask"] = mask
-            state["last_token"] = last_token_rows(mask)
-            try:
-                adapter.decoder(model)(input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device),
-                                       position_ids=batch.position_ids.to(device), use_cache=False)
-            except _StopForward:
-                pass
-            for obs in observers:
-                obs.end_batch()
-            release_free_memory()  # the group's activations and the observers' working copies
+        with tqdm(total=len(groups), initial=first_group, desc=description, unit="batch", disable=not show) as progress:
+            for number, batch in enumerate(groups[first_group:], start=first_group):
+                mask = batch.attention_mask.to(device).bool()
+                state.clear()
+                state["mask"] = mask
+                state["last_token"] = last_token_rows(mask)
+                try:
+                    adapter.decoder(model)(input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device),
+                                           position_ids=batch.position_ids.to(device), use_cache=False)
+                except _StopForward:
+                    pass
+                for obs in observers:
+                    obs.end_batch()
+                release_free_memory()  # the group's activations and the observers' working copies
+                progress.update(1)
+                if after_group is not None:
+                    after_group(number + 1)
     finally:
         for handle_ in handles:
             handle_.remove()

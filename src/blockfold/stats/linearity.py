@@ -73,6 +73,9 @@ class SublayerLinearity:
     ``layers``; with ``moments=False`` only the cosine between the residual stream before and after
     (DROP's criterion: scalars, no d×d sums)."""
 
+    SUMS = ("tokens", "cosine_sum", "_sums")
+    ROWS = ()
+
     def __init__(self, num_layers: int, target: Literal["attention", "block"], layers: list[int] | None = None,
                  moments: bool = True):
         if target not in TARGETS:
@@ -85,7 +88,6 @@ class SublayerLinearity:
         self.needs_attention = target == "attention"
         self.tokens = [0] * num_layers
         self.cosine_sum = [0.0] * num_layers
-        self.energy_sum = [0.0] * num_layers
         self._sums: list[dict[str, torch.Tensor]] = [{} for _ in range(num_layers)]
 
     # -- memory ---------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -52,9 +53,19 @@ class TokenSampler:
         self._seen += count
         return mask.to(device)
 
+    def skip(self, count: int) -> None:
+        self._seen += count
+
+    def describe(self) -> dict:
+        """Which tokens it keeps (the decisions' hash), for the key of a saved pass."""
+        return {"keeps": hashlib.sha256(self._decisions.numpy().tobytes()).hexdigest()[:16]}
+
 
 class SpanSample:
     """Observer: the rows of a random subset of tokens (at most ``max_tokens``) for one span's numerical fit."""
+
+    SUMS = ()
+    ROWS = ("_rows",)
 
     def __init__(self, start: int, length: int, max_tokens: int, total_tokens: int, pre_norm: bool, seed: int = 0,
                  held_out_from: "SpanSample | None" = None):
@@ -80,6 +91,10 @@ class SpanSample:
 
     def end_batch(self) -> None:
         self._keep, self._pending = None, None
+
+    def skip(self, tokens: int) -> None:
+        """The next ``tokens`` calibration tokens are observed elsewhere (another process, a checkpoint)."""
+        self.sampler.skip(tokens)
 
     def window_bytes_per_token(self, hidden_size: int, element: int = 4) -> int:
         return 0  # only sampled rows are kept, at most max_tokens of them

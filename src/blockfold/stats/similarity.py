@@ -45,6 +45,9 @@ class StreamMoments:
 class StreamSimilarity:
     """Observer: moments of ``h[k]`` for every boundary and of ``(h[s], h[s+ℓ])`` for ℓ in ``lengths``."""
 
+    SUMS = ("tokens", "_sum", "_gram", "_cross")
+    ROWS = ()
+
     def __init__(self, num_layers: int, lengths: list[int]):
         self.num_layers = num_layers
         self.lengths = sorted(set(lengths))
@@ -110,6 +113,9 @@ class StreamSubsample:
     ``max_tokens``, the same tokens at every boundary), for measures that need whole pairs of
     layers (CKA between all layer pairs) without (L+1)² cross-moment matrices."""
 
+    SUMS = ()
+    ROWS = ("_rows",)
+
     def __init__(self, num_layers: int, max_tokens: int, total_tokens: int, seed: int = 0):
         self.num_layers = num_layers
         self.last_layer = num_layers - 1
@@ -132,6 +138,10 @@ class StreamSubsample:
 
     def end_batch(self) -> None:
         self._keep = None
+
+    def skip(self, tokens: int) -> None:
+        """The next ``tokens`` calibration tokens are observed elsewhere (another process, a checkpoint)."""
+        self.sampler.skip(tokens)
 
     def hidden(self) -> list[torch.Tensor]:
         """``[h[0], ..., h[L]]``, each (tokens, d) for the same sampled tokens."""

@@ -90,6 +90,10 @@ class SpanStatistics:
     its memory is ``window_bytes_per_token`` times the group's tokens plus ``sums_bytes``.
     """
 
+    SUMS = ("angular_all", "angular_last", "cosine_all", "tokens", "sequences", "_xtx", "_xty", "_yty",
+            "_identity_error", "_weighted")
+    ROWS = ()
+
     def __init__(
         self,
         num_layers: int,
