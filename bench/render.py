@@ -372,9 +372,35 @@ def render_nbl(parts: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def render_scale_out(results: dict) -> str:
+    """Issue #13: two torchrun processes against one, a killed run resumed, the statistics cache."""
+    processes, resume = results["processes"], results["resume"]
+    one, two = processes["one"], processes["two"]
+    lines = [f"{results['model']}, `blockfold compress {results['method']}`, whole commands (interpreter, model load, "
+             f"passes, fit, save), {results['threads']} threads in all.", "",
+             "| measure | wall time | ratio | output |", "|---|---|---|---|",
+             f"| 1 process × {results['threads']} threads | {one['seconds']:.1f} s (pass {one['pass_seconds']:.1f} s) "
+             "| 1.00 | - |",
+             f"| 2 torchrun processes × {max(1, results['threads'] // 2)} thread (gloo) | {two['seconds']:.1f} s "
+             f"(pass {two['pass_seconds']:.1f} s) | {two['seconds'] / one['seconds']:.2f} | "
+             f"{'identical weights' if processes['identical_weights'] else 'weights differ'}, "
+             f"{'same' if processes['same_selection'] else 'other'} span |",
+             f"| the same command after kill -9 once a checkpoint held {resume['killed']['pass_done_at_kill']:.0%} of "
+             f"the pass | {resume['resumed']['seconds']:.1f} s | {resume['resumed_over_fresh']:.2f} | "
+             f"{'identical weights' if resume['identical_weights'] else 'weights differ'} |"]
+    for pair in results["cache"]:
+        lines.append(f"| `{pair['first']}` then `{pair['second']}` through `--stats-cache` | "
+                     f"{pair['first_seconds']:.1f} s then {pair['second_seconds']:.1f} s "
+                     f"({pair['cached_passes']} of {pair['passes']} passes cached; uncached: "
+                     f"{pair['uncached_second_seconds']:.1f} s) | {pair['second_over_first']:.2f} | "
+                     f"{'identical to uncached' if pair['identical_to_uncached'] else 'differs from uncached'} |")
+    return "\n".join([*lines, "", *_footer([results])])
+
+
 #: section name → (results file or files, renderer); a section renders only where BENCHMARKS.md has its markers
 SECTIONS: dict[str, tuple[str | tuple[str, ...], Callable]] = {
     "scale": ("scale.json", render_scale),
+    "scale-out": ("scale_out.json", render_scale_out),
     "packing": ("calibration_packing.json", render_packing),
     "healing": (("healing.json", "healing_v3_through_norm.json"), render_healing),
     "gemma": (("gemma_sandwich.json", "gemma_placement.json"), render_gemma),

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from blockfold.data import CalibrationSet
+from blockfold import distributed
 from blockfold.models.handle import ModelHandle
 from blockfold.pipelines import Runner
 from blockfold.runtime import Execution
@@ -33,19 +34,35 @@ def _finite(array: np.ndarray) -> list:
 
 def analyze(handle: ModelHandle, calibration: CalibrationSet, out: Path, cka_tokens: int = 1024, seed: int = 0,
             overwrite: bool = False, execution: Execution | None = None) -> dict:
-    """Run the pass and write the folder ``out`` (staged, then renamed into place)."""
+    """Run the pass and write the folder ``out`` (staged, then renamed into place). Under torchrun
+    every process shares the pass and the first writes the folder (the others return an empty dict)."""
+    if not distributed.current().is_main:
+        _measure(handle, calibration, cka_tokens, seed, execution)
+        return {}
     with staged_folder(out, overwrite) as stage:
-        return _analyze(handle, calibration, stage, cka_tokens, seed, execution)
+        return analyze_into(handle, calibration, stage, cka_tokens, seed, execution)
 
 
-def _analyze(handle: ModelHandle, calibration: CalibrationSet, out: Path, cka_tokens: int, seed: int,
-             execution: Execution | None = None) -> dict:
-    num_layers = handle.num_layers()
-    spans = SpanStatistics(num_layers, max_length=num_layers)
-    subsample = StreamSubsample(num_layers, cka_tokens, calibration.num_tokens, seed)
-    attention, blocks = SublayerLinearity(num_layers, "attention"), SublayerLinearity(num_layers, "block")
+def analyze_into(handle: ModelHandle, calibration: CalibrationSet, out: Path, cka_tokens: int = 1024, seed: int = 0,
+                 execution: Execution | None = None) -> dict:
+    """Run the pass and write the analysis into the existing folder ``out``."""
     started = time.perf_counter()
-    Runner(handle, execution).run(calibration, [spans, subsample, attention, blocks], description="analysis pass")
+    observers = _measure(handle, calibration, cka_tokens, seed, execution)
+    return _write(handle.num_layers(), calibration, out, *observers, started)
+
+
+def _measure(handle: ModelHandle, calibration: CalibrationSet, cka_tokens: int, seed: int,
+             execution: Execution | None) -> tuple[SpanStatistics, StreamSubsample, SublayerLinearity, SublayerLinearity]:
+    num_layers = handle.num_layers()
+    observers = (SpanStatistics(num_layers, max_length=num_layers),
+                 StreamSubsample(num_layers, cka_tokens, calibration.num_tokens, seed),
+                 SublayerLinearity(num_layers, "attention"), SublayerLinearity(num_layers, "block"))
+    Runner(handle, execution).run(calibration, list(observers), description="analysis pass")
+    return observers
+
+
+def _write(num_layers: int, calibration: CalibrationSet, out: Path, spans: SpanStatistics, subsample: StreamSubsample,
+           attention: SublayerLinearity, blocks: SublayerLinearity, started: float) -> dict:
     table = spans.finalize()
     cosine = np.full((num_layers + 1, num_layers + 1), np.nan)
     for i in range(num_layers + 1):

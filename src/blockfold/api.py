@@ -181,6 +181,7 @@ def compress(
     """
     from blockfold.methods import METHODS, Job
     from blockfold.pipelines import Runner
+    from blockfold.pipelines.persist import calibration_digest
 
     recipe = as_recipe(recipe)
     execution = execution or Execution()
@@ -197,6 +198,10 @@ def compress(
                                  "layer by layer: give --calib FILE, or --pipeline whole where the model fits")
         calibration = build_calibration(recipe.calibration, tokenizer, handle.model)
     runner = Runner(handle, execution)
+    if runner.checkpoints is not None:
+        runner.checkpoints.claim({"recipe": recipe.model_dump(mode="json"), "model": source_fingerprint,
+                                  "calibration": calibration_digest(calibration.batches),
+                                  "processes": runner.ranks.world_size})
     job = Job(handle, recipe.settings, calibration, runner, cache, seed=recipe.calibration.seed)
     started = time.perf_counter()
     details = METHODS[recipe.method](job)
@@ -214,7 +219,9 @@ def compress(
         "recipe": recipe.model_dump(mode="json"),
         "execution": {"pipeline": runner.pipeline, "device": str(handle.device),
                       "dtype": DTYPE_NAMES.get(handle.dtype, str(handle.dtype)), "passes": runner.passes,
-                      "pass_seconds": runner.pass_seconds,
+                      "pass_seconds": runner.pass_seconds, "processes": runner.ranks.world_size,
+                      **({"cached_passes": runner.cached_passes} if runner.cache is not None else {}),
+                      **({"resumed_passes": runner.resumed_passes} if runner.checkpoints is not None else {}),
                       **({"sequences_per_chunk": execution.chunk_sequences} if execution.chunk_sequences else {}),
                       "offload": execution.offload},
         "compress_seconds": elapsed,

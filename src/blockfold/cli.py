@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -81,6 +82,9 @@ def _add_execution(p, pipeline: bool = True, save: bool = False) -> None:
         group.add_argument("--stats-memory", type=_byte_size,
                            help="memory the float64 statistics may take, e.g. 2GiB (default: a quarter of the free "
                                 "memory); beyond it span candidates are screened first (one more pass)")
+        group.add_argument("--stats-cache", metavar="DIR",
+                           help="folder of finished calibration passes shared by commands: a pass over the same "
+                                "weights, calibration tokens and statistics is loaded from it instead of run")
 
 
 def _execution_from_args(args):
@@ -96,6 +100,12 @@ def _add_compress(sub) -> None:
     p.add_argument("--recipe", help="YAML recipe; flags given here override it")
     p.add_argument("--out", required=True, help="output folder (refused if it exists, unless --overwrite)")
     p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--no-resume", action="store_true",
+                   help="start afresh: the calibration passes are checkpointed in .<out>.resume beside --out, and the "
+                        "same command after a crash resumes from there unless this is given")
+    p.add_argument("--checkpoint-seconds", type=float,
+                   help="seconds between checkpoints of a pass (default: at least 10, and at most 5%% of the pass "
+                        "spent writing them)")
     p.add_argument("--method", help="replaceme (default), nbl, nbl-block, uidl, drop-attn, drop-block, sleb")
     p.add_argument("--blocks", type=int, help="number of blocks to remove or linearize (block methods)")
     p.add_argument("--attn", type=int, help="number of attention layers to linearize or drop (nbl, drop-attn)")
@@ -299,11 +309,11 @@ def _check_offload(execution) -> None:
 
 
 def cmd_compress(args) -> int:
-    from blockfold import compress, open_model
+    from blockfold import compress, distributed, open_model
     from blockfold.adapters import get_adapter
     from blockfold.eval import perplexity, read_eval_text, tokenize_windows
     from blockfold.select import span_label
-    from blockfold.surgery import check_output_folder
+    from blockfold.surgery import check_output_folder, resume_folder
 
     recipe = _recipe_from_args(args)
     execution = _execution_from_args(args)
@@ -319,6 +329,9 @@ def cmd_compress(args) -> int:
     check_output_folder(args.out, args.overwrite)
     _check_calibration_source(recipe.calibration.source)
     _check_offload(execution)
+    ranks = distributed.current()
+    resume = resume_folder(args.out, fresh=args.no_resume, rank=ranks.rank)
+    execution = execution.model_copy(update={"resume_dir": str(resume)})
     ppl_text = read_eval_text(args.ppl) if args.ppl else None
     started = time.perf_counter()
     handle = open_model(args.model, execution, check=get_adapter)
@@ -327,7 +340,14 @@ def cmd_compress(args) -> int:
     if ppl_text is not None:
         windows = tokenize_windows(ppl_text, handle.tokenizer, args.ppl_seq_len, args.ppl_windows)
         before = perplexity(handle, windows, description="perplexity (original)")
-    result = compress(handle, recipe=recipe, execution=execution)
+    try:
+        result = compress(handle, recipe=recipe, execution=execution)
+    except BlockfoldError:
+        if not any(resume.glob("pass-*")):  # nothing to resume from: leave nothing behind
+            shutil.rmtree(resume, ignore_errors=True)
+        raise
+    if not ranks.is_main:  # rank 0 measures and saves; the others only shared the calibration passes
+        return 0
     manifest = result.manifest
     manifest["load_seconds"] = load_seconds
     after = None
@@ -335,6 +355,7 @@ def cmd_compress(args) -> int:
         after = perplexity(handle, windows, description="perplexity (compressed)")
         manifest["perplexity"] = {"text": args.ppl, "original": before, "compressed": after}
     out = result.save(args.out, args.overwrite, save_dtype=args.save_dtype)
+    shutil.rmtree(resume, ignore_errors=True)  # saved: nothing left to resume
     selection = manifest["selection"]
     settings = recipe.settings
     detail = {"replaceme": lambda: f" / {settings.estimator}" + (f" (rank {settings.rank})" if settings.rank else ""),
@@ -352,6 +373,9 @@ def cmd_compress(args) -> int:
         ("calibration", f"{manifest['calibration']['source']}: {manifest['calibration']['sequences']} seqs, "
                         f"{manifest['calibration']['tokens']} tokens"),
         ("ran", f"{run['pipeline']} pipeline on {run['device']} in {run['dtype']}, {run['passes']} pass(es)"
+                + (f" shared by {run['processes']} processes" if run["processes"] > 1 else "")
+                + (f", {run['resumed_passes']} resumed from checkpoints" if run.get("resumed_passes") else "")
+                + (f", {run['cached_passes']} loaded from the statistics cache" if run.get("cached_passes") else "")
                 + (f"; {selection['statistics']['screening']['kept_per_length']} candidates kept by screening"
                    if "screening" in selection.get("statistics", {}) else "")),
         ("compress time", f"{manifest['compress_seconds']:.1f} s (+ {load_seconds:.1f} s loading)"),
@@ -482,6 +506,8 @@ def cmd_analyze(args) -> int:
         raise BlockfoldError("self-generated calibration needs the whole model resident: give --calib FILE")
     result = analyze(handle, build_calibration(config, handle.tokenizer, handle.model), Path(args.out),
                      args.cka_tokens, overwrite=args.overwrite, execution=execution)
+    if not result:  # another process of a torchrun job wrote the folder
+        return 0
     best = result["best_span_per_length"]
     rows = [("model", f"{args.model} ({result['num_layers']} blocks)"),
             ("calibration", f"{result['calibration']['source']}: {result['calibration']['tokens']} tokens"),
@@ -495,6 +521,7 @@ def cmd_analyze(args) -> int:
 
 
 def cmd_sweep(args) -> int:
+    from blockfold import distributed
     from blockfold.report.render import speedup_label
     from blockfold.sweep import SweepConfig, run_sweep
 
@@ -513,6 +540,8 @@ def cmd_sweep(args) -> int:
     }, origin="sweep options")
     _check_calibration_source(config.calibration.source)
     result = run_sweep(config, Path(args.out), args.overwrite)
+    if not distributed.current().is_main:  # rank 0 wrote the folder
+        return 0
     original = result["original"]
     rows = [("original", f"ppl {original.get('perplexity', float('nan')):.2f}, "
                          f"{original['parameters']['parameters'] / 1e6:.1f}M parameters")]
@@ -625,12 +654,48 @@ def main(argv: list[str] | None = None) -> int:
     # a terminated run unwinds like an interrupted one, so its staging folder is removed
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    import torch.distributed as dist
+
+    from blockfold import distributed
+
     try:
+        if distributed.launched():
+            _join_processes(args)
         return {"compress": cmd_compress, "eval": cmd_eval, "bench": cmd_bench, "heal": cmd_heal,
                 "analyze": cmd_analyze, "sweep": cmd_sweep, "report": cmd_report}[args.command](args)
     except BlockfoldError as err:
-        print(f"blockfold: error: {err}", file=sys.stderr)
+        print(f"blockfold: error{_rank_label()}: {err}", file=sys.stderr)
         return 2
+    except (dist.DistError, RuntimeError) as err:  # a rank died or hung: the collective the others waited in fails
+        if not distributed.current().several:
+            raise
+        print(f"blockfold: error{_rank_label()}: another process of this torchrun job failed or stopped answering "
+              f"({str(err).splitlines()[0]}); nothing was saved: see that process's error, then run the command again "
+              "(finished calibration passes resume from their checkpoints)", file=sys.stderr)
+        return 2
+    finally:
+        distributed.finish()
+
+
+#: commands that share their calibration passes among torchrun's processes
+DISTRIBUTED_COMMANDS = ("compress", "analyze", "sweep")
+
+
+def _join_processes(args) -> None:
+    from blockfold import distributed
+    from blockfold.runtime import resolve_device
+
+    if args.command not in DISTRIBUTED_COMMANDS:
+        raise BlockfoldError(f"blockfold {args.command} runs in one process: start it without torchrun "
+                             f"(torchrun shares the calibration passes of {', '.join(DISTRIBUTED_COMMANDS)})")
+    distributed.init_from_environment(resolve_device(getattr(args, "device", "auto")))
+
+
+def _rank_label() -> str:
+    from blockfold import distributed
+
+    ranks = distributed.current()
+    return f" (rank {ranks.rank})" if ranks.several else ""
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import json
+import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,6 +23,7 @@ import torch
 from pydantic import Field
 
 import blockfold
+from blockfold import distributed
 from blockfold.adapters import get_adapter
 from blockfold.api import environment
 from blockfold.data import build_calibration
@@ -122,6 +124,9 @@ def _prefill_speedup(original, compressed, length: int, repeats: int = 5) -> dic
 def run_sweep(config: SweepConfig, out: Path, overwrite: bool = False) -> dict:
     """Run the sweep into ``out`` (``sweep.json``, ``analysis/``, ``models/``), staged in a temporary
     folder beside it and renamed into place only when everything is written."""
+    if not distributed.current().is_main:  # under torchrun: the same sweep, its passes shared, written by rank 0
+        with tempfile.TemporaryDirectory() as scratch:
+            return _run_into(config, Path(scratch))
     with staged_folder(out, overwrite) as stage:
         return _run_into(config, stage)
 
@@ -149,7 +154,7 @@ def _run_into(config: SweepConfig, stage: Path) -> dict:
     started = time.perf_counter()
     result = {
         "format": f"blockfold-sweep/{SWEEP_VERSION}", "config": config.model_dump(mode="json"),
-        "environment": environment(),
+        "environment": environment(), "processes": distributed.current().world_size,
         "source_model": {"spec": config.model, "fingerprint": handle.fingerprint()},
         "calibration": calibration.description, "runs": [],
     }
@@ -181,8 +186,9 @@ def _run_into(config: SweepConfig, stage: Path) -> dict:
             run["relative_performance"] = relative_performance(run["tasks"], original["tasks"])
         run["speed"] = _prefill_speedup(original_measured, candidate, config.speed_length)
         result["runs"].append(run)
-        print(f"sweep: {method} {budget}: ppl {run.get('perplexity', float('nan')):.2f}"
-              + (f", RP {run['relative_performance']['average']['rp']:.3f}" if config.tasks else ""), flush=True)
+        if distributed.current().is_main:
+                print(f"sweep: {method} {budget}: ppl {run.get('perplexity', float('nan')):.2f}"
+                  + (f", RP {run['relative_performance']['average']['rp']:.3f}" if config.tasks else ""), flush=True)
         del candidate, compressed
 
     if any(issubclass(SETTINGS[m], SpanSelection) for m in config.methods):
@@ -201,11 +207,11 @@ def _run_into(config: SweepConfig, stage: Path) -> dict:
         result["placement"] = placement_study(handle, calibration, config.placement_blocks, windows, config.eval_dtype,
                                               execution, cache)
     if config.analysis:
-        from blockfold.analyze import _analyze
+        from blockfold.analyze import analyze_into
 
         (stage / "analysis").mkdir()
-        _analyze(handle, calibration, stage / "analysis", cka_tokens=1024, seed=config.calibration.seed,
-                 execution=execution)
+        analyze_into(handle, calibration, stage / "analysis", cka_tokens=1024, seed=config.calibration.seed,
+                     execution=execution)
         result["analysis"] = "analysis/analysis.json"
     result["seconds"] = time.perf_counter() - started
     (stage / "sweep.json").write_text(json.dumps(result, indent=1))

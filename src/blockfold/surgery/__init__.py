@@ -6,9 +6,10 @@ from blockfold.surgery.linearize import (
 )
 from blockfold.surgery.remove import remove_blocks
 from blockfold.surgery.save import (
-    MANIFEST_NAME, RECIPE_NAME, check_output_folder, read_manifest, save_compressed, staged_folder, write_checkpoint,
+    MANIFEST_NAME, RECIPE_NAME, check_output_folder, read_manifest, resume_folder, save_compressed, staged_folder,
+    write_checkpoint,
 )
 
 __all__ = ["LINEARIZED_FIELD", "MANIFEST_NAME", "RECIPE_NAME", "check_output_folder", "fold_into_down_proj",
            "fold_through_linearized_norm", "linearized_entries", "read_manifest", "register_linearized_classes",
-           "remove_blocks", "replace_sublayers", "save_compressed", "staged_folder", "write_checkpoint"]
+           "remove_blocks", "replace_sublayers", "resume_folder", "save_compressed", "staged_folder", "write_checkpoint"]

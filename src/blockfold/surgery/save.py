@@ -53,6 +53,17 @@ def remove_stale_staging(out: Path) -> list[Path]:
     return removed
 
 
+def resume_folder(out: str | Path, fresh: bool = False, rank: int = 0) -> Path:
+    """Where a compression into ``out`` checkpoints its calibration passes (``.<out>.resume`` beside
+    it, so it outlives the process); ``fresh`` deletes this process's checkpoints first."""
+    out = Path(out)
+    folder = out.parent / f".{out.name}.resume"
+    if fresh and folder.is_dir():
+        for path in folder.glob(f"*rank{rank}*"):
+            path.unlink(missing_ok=True)
+    return folder
+
+
 def _process_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
