@@ -372,6 +372,13 @@ def render_nbl(parts: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _weights_difference(difference: dict) -> str:
+    if not difference["differing"]:
+        return "identical weights"
+    return (f"{difference['tensors'] - difference['differing']} of {difference['tensors']} tensors identical, the "
+            f"fitted {difference['differing']} within {difference['max_relative']:.1e} of their largest entry")
+
+
 def render_scale_out(results: dict) -> str:
     """Issue #13: two torchrun processes against one, a killed run resumed, the statistics cache."""
     processes, resume = results["processes"], results["resume"]
@@ -383,7 +390,7 @@ def render_scale_out(results: dict) -> str:
              "| 1.00 | - |",
              f"| 2 torchrun processes × {max(1, results['threads'] // 2)} thread (gloo) | {two['seconds']:.1f} s "
              f"(pass {two['pass_seconds']:.1f} s) | {two['seconds'] / one['seconds']:.2f} | "
-             f"{'identical weights' if processes['identical_weights'] else 'weights differ'}, "
+             f"{_weights_difference(processes['weights'])}, "
              f"{'same' if processes['same_selection'] else 'other'} span |",
              f"| the same command after kill -9 once a checkpoint held {resume['killed']['pass_done_at_kill']:.0%} of "
              f"the pass | {resume['resumed']['seconds']:.1f} s | {resume['resumed_over_fresh']:.2f} | "

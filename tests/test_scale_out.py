@@ -145,6 +145,17 @@ def _same_weights(a: Path, b: Path) -> bool:
     return first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
 
 
+def _assert_same_up_to_rounding(a: Path, b: Path) -> None:
+    """Every tensor equal, except fitted ones within float32 rounding of sums that differ in their last
+    bits (two processes add the same terms in another order)."""
+    first, second = _weights(a), _weights(b)
+    assert first.keys() == second.keys()
+    differing = [name for name in first if not torch.equal(first[name], second[name])]
+    assert all("down_proj" in name or "linear" in name for name in differing), differing
+    for name in differing:
+        assert (first[name] - second[name]).abs().max() <= 1e-5 * first[name].abs().max(), name
+
+
 @pytest.mark.parametrize("method", [["--blocks", "2"], ["--method", "nbl", "--attn", "2"]])
 def test_torchrun_compress_saves_what_one_process_saves(workdir, method):
     common = ["compress", "--model", "tiny", "--calib", "corpus.txt", *CALIBRATION, *method]
@@ -153,7 +164,7 @@ def test_torchrun_compress_saves_what_one_process_saves(workdir, method):
     assert one.returncode == 0, one.stderr
     assert two.returncode == 0, two.stderr
     assert "shared by 2 processes" in two.stdout and two.stdout.count("blockfold compress") == 1
-    assert _same_weights(workdir / "one", workdir / "two")
+    _assert_same_up_to_rounding(workdir / "one", workdir / "two")
     manifests = [json.loads((workdir / name / "blockfold_manifest.json").read_text()) for name in ("one", "two")]
     assert manifests[0]["removed_blocks"] == manifests[1]["removed_blocks"]
     assert manifests[0].get("replaced") == manifests[1].get("replaced")
