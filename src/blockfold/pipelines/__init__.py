@@ -69,7 +69,9 @@ class Runner:
         if self.checkpoints is not None or self.cache is not None:
             fingerprint = self.handle.fingerprint()
             key = pass_key(fingerprint, self.handle.dtype, calibration_digest(batches), observers)
-        if self.cache is not None and distributed.all_agree(self.cache.load(key, fingerprint, observers, self.handle.device)):
+        # every rank must have the entry before any loads it: a rank that ran the pass would add to it
+        if self.cache is not None and distributed.all_agree(self.cache.has(key)):
+            self.cache.load(key, fingerprint, observers, self.handle.device)
             self.cached_passes += 1
             log.info("%s: loaded from the statistics cache %s", description, self.cache.folder)
         else:

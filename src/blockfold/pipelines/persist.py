@@ -142,16 +142,16 @@ class StatsCache:
             except OSError as error:
                 raise BlockfoldError(f"--stats-cache {self.folder} cannot be written ({error.strerror}): {fix}") from None
 
-    def load(self, key: str, fingerprint: str, observers: list, device: torch.device) -> bool:
+    def has(self, key: str) -> bool:
+        return (self.folder / key).with_suffix(".json").is_file()
+
+    def load(self, key: str, fingerprint: str, observers: list, device: torch.device) -> None:
         path = self.folder / key
         fix = f"delete {path}.json or pass another --stats-cache"
         meta = read_meta(path, fix)
-        if meta is None:
-            return False
         if meta.get("fingerprint") != fingerprint:
             raise BlockfoldError(f"cached statistics {path}.json are of other weights than this model's: {fix}")
         load_observers(path, meta, observers, device, fix)
-        return True
 
     def save(self, key: str, fingerprint: str, observers: list, description: str) -> None:
         save_observers(self.folder / key, observers, {"key": key, "fingerprint": fingerprint, "pass": description})
