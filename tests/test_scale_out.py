@@ -228,13 +228,17 @@ def test_a_rank_that_dies_stops_the_job_with_nothing_written(workdir):
     assert checkpoint.exists(), job.communicate()
     workers = subprocess.run(["pgrep", "-f", "-P", str(job.pid), "blockfold"], capture_output=True, text=True)
     children = [int(pid) for pid in workers.stdout.split()]
-    ranks = {pid: (Path(f"/proc/{pid}/environ").read_bytes().split(b"RANK=")[-1][:1]) for pid in children}
-    victim = next(pid for pid, rank in ranks.items() if rank == b"1")
+    victim = next(pid for pid in children if _environment(pid).get("RANK") == "1")
     os.kill(victim, signal.SIGKILL)
     stdout, stderr = job.communicate(timeout=300)
     assert job.returncode != 0
     assert not (workdir / "out").exists() and not list(workdir.glob(".out.partial-*"))
     assert (workdir / ".out.resume").is_dir()
+
+
+def _environment(pid: int) -> dict[str, str]:
+    entries = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(entry.decode(errors="replace").split("=", 1) for entry in entries if b"=" in entry)
 
 
 # -- resuming a killed run -------------------------------------------------------------------------
