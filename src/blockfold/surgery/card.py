@@ -1,0 +1,135 @@
+"""The model card (README.md) every saved checkpoint carries: what it is, what was done to it, what
+was measured, how to load it, and the license it inherits from its source.
+
+Written from the manifest alone, so a card never claims what the run did not record.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+
+import yaml
+
+log = logging.getLogger(__name__)
+
+CARD_NAME = "README.md"
+
+
+def source_license(path: str | Path | None) -> str | None:
+    """The source model's license: its model card's ``license:`` field, or (a model converted from
+    GGUF) the GGUF's ``general.license``; None where neither says."""
+    if not path:
+        return None
+    folder = Path(path).expanduser()
+    card = folder / CARD_NAME
+    if card.is_file():
+        match = re.match(r"---\n(.*?)\n---", card.read_text(errors="replace"), re.S)
+        if match:
+            try:
+                front = yaml.safe_load(match.group(1)) or {}
+            except yaml.YAMLError:
+                front = {}
+            if isinstance(front, dict) and front.get("license"):
+                return str(front["license"])
+    source = folder / "blockfold_source.json"
+    gguf_path = json.loads(source.read_text()).get("gguf") if source.is_file() else None
+    if gguf_path is None and folder.suffix == ".gguf":
+        gguf_path = folder
+    if gguf_path and Path(gguf_path).is_file():
+        try:
+            from gguf import GGUFReader
+
+            field = GGUFReader(str(gguf_path)).fields.get("general.license")
+            return str(field.contents()) if field is not None else None
+        except (OSError, ValueError, KeyError) as error:
+            log.warning("could not read the license of %s: %s", gguf_path, error)
+    return None
+
+
+def _what_was_done(manifest: dict) -> str:
+    before, after = manifest.get("original_num_layers"), manifest.get("num_layers")
+    replaced = manifest.get("replaced") or {}
+    removed = manifest.get("removed_blocks") or []
+    calibration = manifest.get("calibration") or {}
+    data = (f"{calibration.get('sequences')} x {calibration.get('sequence_length')} tokens of "
+            f"`{calibration.get('source')}`") if calibration else "calibration text"
+    if replaced.get("layers"):
+        what = "attention sublayers" if replaced.get("target") == "attention" else "blocks"
+        how = ("replaced by linear maps `W x + b` fitted on " + data + " (LMMSE); replaced attention layers keep no "
+               "KV cache") if replaced.get("replacement") == "linear" else "removed (their contribution is zero)"
+        return f"The {what} of layers {', '.join(map(str, replaced['layers']))} (of {before}) were {how}."
+    text = f"Blocks {', '.join(map(str, removed))} of {before} were removed ({before} -> {after} blocks)"
+    spans = [span for span in manifest.get("spans") or [] if span.get("transform")]
+    if spans:
+        folds = "; ".join(f"blocks {span['blocks'][0]}-{span['blocks'][-1]} replaced by a "
+                          f"{span['transform'].get('estimator')} map folded into block {span['folded_into_block']}'s "
+                          "down-projection" for span in spans)
+        text += f", each removed span replaced by a linear map fitted on {data} ({folds}). No parameters were added."
+    else:
+        text += " with no map in their place."
+    return text
+
+
+def _measured(manifest: dict) -> list[str]:
+    lines = []
+    ppl = manifest.get("perplexity")
+    if ppl:
+        lines.append(f"- Perplexity on `{ppl.get('text')}`: {ppl['original']['perplexity']:.2f} (original) -> "
+                     f"{ppl['compressed']['perplexity']:.2f} (this checkpoint)")
+    healing = manifest.get("healing") or {}
+    if healing.get("perplexity"):
+        lines.append(f"- After healing ({healing.get('mode')}, {healing.get('steps')} steps): perplexity "
+                     f"{healing['perplexity']['before']['perplexity']:.2f} -> "
+                     f"{healing['perplexity']['after']['perplexity']:.2f}")
+    parameters = (manifest.get("original_parameters"), manifest.get("parameters"))
+    if all(parameters):
+        lines.append(f"- Parameters: {parameters[0]:,} -> {parameters[1]:,} ({parameters[1] / parameters[0]:.3f}x)")
+    return lines
+
+
+def model_card(manifest: dict, folder: Path, name: str, license_name: str | None) -> str:
+    """The README.md of the checkpoint written in ``folder`` (its config and files are read), to be
+    published as ``name``."""
+    config = json.loads((folder / "config.json").read_text())
+    remote_code = (folder / "modeling_blockfold.py").is_file()
+    architecture = (config.get("architectures") or ["?"])[0]
+    source = (manifest.get("source_model") or {}).get("spec") or "a model built in memory"
+    method = manifest.get("method", "?")
+    front = {"license": license_name or "other", "library_name": "transformers",
+             "tags": ["blockfold", method, "depth-pruning" if not manifest.get("replaced") else "linearized-layers"]}
+    load_args = f'"{name}"' + (", trust_remote_code=True" if remote_code else "")
+    lines = ["---", yaml.safe_dump(front, sort_keys=False).strip(), "---", "",
+             f"# {name}", "",
+             f"`{source}` compressed without training by blockfold with the `{method}` method "
+             f"(recipe version {manifest.get('recipe', {}).get('recipe_version')}).", "",
+             "## What was done", "", _what_was_done(manifest), "",
+             "## Measured", "", *(_measured(manifest) or ["- Nothing measured at compression time."]),
+             "", "Measure it against its source with `blockfold eval " + name + " --ppl FILE --tasks ...`.", "",
+             "## Load", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer",
+             f"model = AutoModelForCausalLM.from_pretrained({load_args})",
+             f'tokenizer = AutoTokenizer.from_pretrained("{name}")', "```", ""]
+    if remote_code:
+        lines += [f"The replaced layers need the modeling code shipped in this folder (`modeling_blockfold.py`, "
+                  f"classes registered as `{architecture}`): load with `trust_remote_code=True`; blockfold itself is "
+                  "not needed. Serving engines (vLLM, llama.cpp) do not run this code.", ""]
+    else:
+        lines += [f"A standard `{architecture}` checkpoint with fewer layers and no new parameters: plain transformers "
+                  "loads it, and engines that serve this architecture should too (blockfold has not yet checked "
+                  "vLLM or llama.cpp on it).", ""]
+    lines += ["## License", "",
+              (f"Derived from `{source}`, released under `{license_name}`; that license's terms apply to this "
+               "checkpoint." if license_name else
+               f"blockfold found no license in `{source}`'s files: check the source model's terms before "
+               "distributing this checkpoint."), "",
+              "## Provenance", "",
+              f"`blockfold_manifest.json` records every decision (candidates and their scores, fit errors, calibration "
+              f"hash, versions); `blockfold_recipe.yaml` replays the run. Made with blockfold "
+              f"{(manifest.get('environment') or {}).get('blockfold', '?')}, torch "
+              f"{(manifest.get('environment') or {}).get('torch', '?')}.", ""]
+    return "\n".join(lines)
+
+
+__all__ = ["CARD_NAME", "model_card", "source_license"]
