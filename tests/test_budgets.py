@@ -15,9 +15,6 @@ from blockfold.recipe import Recipe
 from blockfold.runtime import Execution
 from blockfold.stats import SpanStatistics
 
-#: one candidate's full sums at hidden size 32: four 32×32 float64 matrices
-PER_START = SpanStatistics.sums_bytes_for(1, 32, "full", True)
-
 
 @pytest.mark.parametrize("pipeline, criterion", [("whole", "fit_error"), ("sequential", "fit_error"),
                                                  ("whole", "fit_error_stream")])
@@ -28,8 +25,9 @@ def test_screening_keeps_the_winner_and_says_so(pipeline, criterion):
     full = blockfold.compress(tiny_model("llama"), tiny_tokenizer(), settings, calibration,
                               execution=Execution(pipeline=pipeline)).manifest
     assert full["selection"]["statistics"]["sums"] == "full" and full["execution"]["passes"] == 1
+    per_start = SpanStatistics.sums_bytes_for(1, 32, "full", criterion == "fit_error_stream")
     screened = blockfold.compress(tiny_model("llama"), tiny_tokenizer(), settings, calibration,
-                                  execution=Execution(pipeline=pipeline, stats_memory=3 * PER_START)).manifest
+                                  execution=Execution(pipeline=pipeline, stats_memory=3 * per_start)).manifest
     statistics = screened["selection"]["statistics"]
     assert statistics["sums"] == "screened" and statistics["screening"]["kept_per_length"] == 3
     assert statistics["screening"]["by"] == f"the diagonal map's {criterion}"
@@ -91,7 +89,12 @@ def test_dry_run_numbers_for_the_big_configs():
     calibration = {"source": "c4.jsonl", "num_sequences": 256, "sequence_length": 2048}
     small = plan_for(str(configs / "llama-3-8b" / "config.json"), Recipe.parse({"blocks": 8, "calibration": calibration}),
                      Execution(), 80 << 30).numbers
-    assert small["pipeline"] == "whole" and small["passes"] == 1 and small["sums_bytes"] == 24 * 4 * 4096**2 * 8
+    # fit_error needs two d x d sums per candidate start (xtx, xty); fit_error_stream's weighted sums double it
+    assert small["pipeline"] == "whole" and small["passes"] == 1 and small["sums_bytes"] == 24 * 2 * 4096**2 * 8
+    stream = plan_for(str(configs / "llama-3-8b" / "config.json"),
+                      Recipe.parse({"blocks": 8, "criterion": "fit_error_stream", "calibration": calibration}),
+                      Execution(), 80 << 30).numbers
+    assert stream["sums_bytes"] == 2 * small["sums_bytes"]
     big = plan_for(str(configs / "llama-3.1-70b" / "config.json"), Recipe.parse({"blocks": 20, "calibration": calibration}),
                    Execution(), 80 << 30).numbers
     assert big["pipeline"] == "sequential" and big["passes"] == 2 and big["peak_bytes"] < 80 << 30

@@ -229,15 +229,21 @@ def test_cosine_l1_penalty_shrinks_the_transform(tokenizer):
 
 def test_every_criterion_the_pass_measured_is_recorded_for_every_candidate(tokenizer):
     """Only what the criterion needs is accumulated: the default pass has the distances and the fitted
-    maps' errors, not the stream moments behind CKA and CCA, which a CKA run adds."""
+    maps' errors, not the per-token weighted sums behind fit_error_stream (half the sums' memory),
+    which a fit_error_stream run adds, nor the stream moments behind CKA and CCA, which a CKA run adds."""
     result = blockfold.compress(tiny_model("llama"), tokenizer, {"blocks": 2}, calibration=random_calibration())
     selection = result.manifest["selection"]
     assert selection["criterion"] == "fit_error"
     scores = selection["scores_per_criterion"]
-    assert set(scores) == {"angular_last", "angular_all", "block_influence", "fit_error", "fit_error_stream"}
+    assert set(scores) == {"angular_last", "angular_all", "block_influence", "fit_error"}
     assert all(set(values) == {1, 2, 3, 4} for values in scores.values())
     assert selection["start"] == min(scores["fit_error"], key=scores["fit_error"].get)
     assert selection["statistics"]["sums"] == "full"
+    stream = blockfold.compress(tiny_model("llama"), tokenizer, {"blocks": 2, "criterion": "fit_error_stream"},
+                                calibration=random_calibration()).manifest["selection"]
+    assert set(stream["scores_per_criterion"]) == {*scores, "fit_error_stream"}
+    assert stream["scores_per_criterion"]["fit_error"] == scores["fit_error"]
+    assert selection["statistics"]["full_sums_bytes"] * 2 == stream["statistics"]["full_sums_bytes"]
     cka = blockfold.compress(tiny_model("llama"), tokenizer, {"blocks": 2, "criterion": "cka"},
                              calibration=random_calibration()).manifest["selection"]["scores_per_criterion"]
     assert {"cka", "cca"} <= set(cka) and all(set(cka[name]) == {1, 2, 3, 4} for name in ("cka", "cca"))

@@ -124,22 +124,23 @@ def plan_for(spec: str, recipe: Recipe, execution: Execution, accelerator_memory
         lengths = sorted(set(split_budget(n, settings.spans)))
         criterion = settings.criterion
         need_all = criterion in ("fit_error", "fit_error_stream")
+        weighted = criterion == "fit_error_stream"  # the per-token weighted sums serve it alone
         estimator = getattr(settings, "estimator", "identity")
         starts = {length: num_layers - length for length in lengths}
-        full = sum(SpanStatistics.sums_bytes_for(count, d, "full", need_all) for count in starts.values())
+        full = sum(SpanStatistics.sums_bytes_for(count, d, "full", weighted) for count in starts.values())
         moments = StreamSimilarity.sums_bytes_for(num_layers, len(lengths), d) if criterion in ("cka", "cca") else 0
         observers.append(SpanStatistics(num_layers, n, max(lengths)))
         if estimator == "identity" and not need_all:
             sums, mode = moments, "no normal equations (plain removal: scalars only)"
         elif full + moments <= budget:
             sums, mode = full + moments, f"full normal equations for all {sum(starts.values())} candidates"
-            stats_flops_per_token = sum(starts.values()) * (8 if need_all else 4) * d * d
+            stats_flops_per_token = sum(starts.values()) * (8 if weighted else 4) * d * d
         elif need_all:
-            per_start = SpanStatistics.sums_bytes_for(1, d, "full", True)
+            per_start = SpanStatistics.sums_bytes_for(1, d, "full", weighted)
             keep = max(1, (budget - moments) // (per_start * len(lengths)))
             sums = keep * per_start * len(lengths) + moments
             passes += 1
-            stats_flops_per_token = keep * len(lengths) * 8 * d * d
+            stats_flops_per_token = keep * len(lengths) * (8 if weighted else 4) * d * d
             mode = (f"{gib(full)} for all candidates exceeds the budget: pass 1 screens every start with d-sized sums, "
                     f"pass 2 accumulates full sums for the best {keep} per length")
         else:

@@ -7,7 +7,7 @@ pass for a token subsample) → fold into the down-projection of the block befor
 the span.
 
 Only what is asked for is accumulated: the normal equations of every candidate (two d×d float64
-matrices, four with the per-token weighted ones) when the criterion scores the fitted map, the
+matrices, four with the per-token weighted ones fit_error_stream reads) when the criterion scores the fitted map, the
 stream moments only for CKA and CCA. When those sums would exceed the statistics budget, the
 candidates are screened first: one pass scores every start by the same criterion for the best
 per-channel (diagonal) map, from d-sized sums, and a second pass accumulates the full sums for the
@@ -91,18 +91,20 @@ def measure_spans(job: Job, lengths: list[int], max_length: int, criterion: str,
     lengths = sorted(set(lengths), reverse=True)
     moments = all_criteria or criterion in _MOMENT_CRITERIA
     need_all = all_criteria or criterion in _FIT_CRITERIA
+    weighted = all_criteria or criterion == "fit_error_stream"  # the per-token weighted sums serve it alone
     if job.cache is not None:
         fingerprint = job.handle.fingerprint()
         cached = job.cache.find("spans", fingerprint, job.calibration, lambda w: set(lengths) <= set(w["lengths"])
                                 and max_length <= w["max_length"] and (w["moments"] or not moments)
-                                and (w["equations"] == "full" or not need_all))
+                                and (w["equations"] == "full" or not need_all) and (w["weighted"] or not weighted))
         if cached is not None:
             return SpanMeasurement(cached.distances, [t for t in cached.tables if t.fit_length in lengths],
                                    cached.moments, lengths, cached.max_length, cached.equations, cached.screening)
-    measured = _measure(job, lengths, max_length, moments, need_all, _screened_by(criterion))
+    measured = _measure(job, lengths, max_length, moments, need_all, weighted, _screened_by(criterion))
     if job.cache is not None:
         job.cache.add("spans", fingerprint, job.calibration, {"lengths": lengths, "max_length": max_length,
-                                                              "moments": moments, "equations": measured.equations},
+                                                              "moments": moments, "equations": measured.equations,
+                                                              "weighted": weighted},
                       measured)
     return measured
 
@@ -113,11 +115,10 @@ def _screened_by(criterion: str) -> str:
     return criterion if criterion in _FIT_CRITERIA else ReplaceMe.model_fields["criterion"].default
 
 
-def _measure(job: Job, lengths: list[int], max_length: int, moments: bool, need_all: bool,
+def _measure(job: Job, lengths: list[int], max_length: int, moments: bool, need_all: bool, weighted: bool,
              screen_by: str) -> SpanMeasurement:
     num_layers, d = job.num_layers, job.hidden_size
     estimator = getattr(job.settings, "estimator", "identity")
-    weighted = need_all  # the per-token weighted sums serve fit_error_stream only
     starts = {length: len(range(1, num_layers - length + 1)) for length in lengths}
     full_bytes = sum(SpanStatistics.sums_bytes_for(count, d, "full", weighted) for count in starts.values())
     moment_bytes = StreamSimilarity.sums_bytes_for(num_layers, len(lengths), d) if moments else 0
@@ -139,22 +140,23 @@ def _measure(job: Job, lengths: list[int], max_length: int, moments: bool, need_
     measured = SpanMeasurement(tables[0], tables, observers[-1].finalize() if moments else None, lengths,
                                max_length, mode)
     if mode == "screened":
-        _screen(job, measured, budget, screen_by)
+        _screen(job, measured, budget, screen_by, weighted)
     return measured
 
 
-def _screen(job: Job, measured: SpanMeasurement, budget: int, criterion: str) -> None:
+def _screen(job: Job, measured: SpanMeasurement, budget: int, criterion: str, weighted: bool) -> None:
     """Keep the best K starts of each length by the diagonal map's score under the chosen fit
     criterion, then one more pass for their full sums; ``measured.tables`` then hold exact sums for
     those K only."""
-    per_start = SpanStatistics.sums_bytes_for(1, job.hidden_size, "full", True)
+    per_start = SpanStatistics.sums_bytes_for(1, job.hidden_size, "full", weighted)
     count = max(1, budget // (per_start * len(measured.lengths)))
     kept: dict[int, list[int]] = {}
     for table in measured.tables:
         proxy = table.diagonal_fit_error if criterion == "fit_error" else table.diagonal_fit_error_stream
         measured.screening[table.fit_length] = proxy
         kept[table.fit_length] = sorted(sorted(proxy, key=proxy.get)[:count])
-    fits = [SpanStatistics(job.num_layers, 0, length, starts=kept[length]) for length in measured.lengths]
+    fits = [SpanStatistics(job.num_layers, 0, length, starts=kept[length], stream_weighted=weighted)
+            for length in measured.lengths]
     job.run(fits, description=f"full sums for the best {count} candidates")
     exact = {f.fit_length: f.finalize() for f in fits}
     for table in measured.tables:
@@ -373,7 +375,8 @@ def _compress_greedy(job: Job, budget: int) -> dict:
     original_index = list(range(job.num_layers))
     steps = []
     for round_number in range(budget):
-        measured = _measure(job, [1], 1, criterion in _MOMENT_CRITERIA, criterion in _FIT_CRITERIA, _screened_by(criterion))
+        measured = _measure(job, [1], 1, criterion in _MOMENT_CRITERIA, criterion in _FIT_CRITERIA,
+                            criterion == "fit_error_stream", _screened_by(criterion))
         scores = span_criteria(measured.distances, measured.tables, measured.moments, _scoring_map(settings))
         choice = best_span(scores[criterion], 1, criterion)
         equations = measured.tables[0].normal_equations.get(choice.start)
