@@ -252,6 +252,19 @@ def _add_report(sub) -> None:
     p.add_argument("run_dir")
 
 
+def _add_export(sub) -> None:
+    from blockfold.export import QUANT_TYPES, SOURCE
+
+    p = sub.add_parser("export", help="write a model (e.g. a compress output) as a GGUF file for llama.cpp")
+    p.add_argument("model", help="folder written by compress, a HF folder, a .gguf file or a built-in name")
+    p.add_argument("out", help="the .gguf file to write")
+    p.add_argument("--format", choices=["gguf"], default="gguf", help="output format (llama.cpp's GGUF)")
+    p.add_argument("--quant", default="f16", choices=[*QUANT_TYPES, SOURCE],
+                   help="tensor type; 'source' keeps the source GGUF's type per tensor, copying every tensor "
+                        "compression left unchanged byte for byte (the round trip of a quantized GGUF)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing file")
+
+
 def _recipe_from_args(args):
     """The recipe file (if any) with the flags given on top; a flag the method does not use is an
     error naming the method's own flags, never silently ignored."""
@@ -557,6 +570,18 @@ def cmd_sweep(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    from blockfold.export import export_gguf
+    from blockfold.models.sources import resolve_model_path
+
+    folder = resolve_model_path(args.model)
+    if not Path(folder).is_dir():
+        raise BlockfoldError(f"export reads a local model: {args.model!r} is not a folder, .gguf file or built-in name")
+    written = export_gguf(folder, args.out, quant=args.quant, overwrite=args.overwrite)
+    print(f"gguf: {written} ({written.stat().st_size / 1e6:.1f} MB, {args.quant})")
+    return 0
+
+
 def cmd_report(args) -> int:
     from blockfold.report.render import render_report
 
@@ -627,6 +652,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_analyze(sub)
     _add_sweep(sub)
     _add_report(sub)
+    _add_export(sub)
     return parser
 
 
@@ -662,7 +688,8 @@ def main(argv: list[str] | None = None) -> int:
         if distributed.launched():
             _join_processes(args)
         return {"compress": cmd_compress, "eval": cmd_eval, "bench": cmd_bench, "heal": cmd_heal,
-                "analyze": cmd_analyze, "sweep": cmd_sweep, "report": cmd_report}[args.command](args)
+                "analyze": cmd_analyze, "sweep": cmd_sweep, "report": cmd_report,
+                "export": cmd_export}[args.command](args)
     except BlockfoldError as err:
         print(f"blockfold: error{_rank_label()}: {err}", file=sys.stderr)
         return 2

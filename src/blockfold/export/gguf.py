@@ -1,0 +1,357 @@
+"""Export a checkpoint (a blockfold output or any supported model) to GGUF for llama.cpp.
+
+Follows the conventions of llama.cpp's own converter: the llama architecture's query and key rows
+permuted into interleaved rotary order, Gemma's norm weights stored with their ``1 +`` offset, 1-D
+tensors in float32, a quantized type falling back to float16 for rows its blocks do not divide.
+
+A model that came from a GGUF file keeps that file's metadata (tokenizer, license, rope settings),
+with the per-layer fields cut to the blocks that remain, and with ``--quant source`` every tensor
+compression did not touch is copied byte for byte: the round trip a CPU user wants. The tensors
+compression changed (the folded down-projection) are quantized again, to their old type where the
+``gguf`` package can write it, else to Q8_0 (more precise than any K-quant it replaces).
+
+Written tensor by tensor into a staging file that is renamed into place when complete.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import (
+    GGMLQuantizationType,
+    GGUFReader,
+    GGUFValueType,
+    GGUFWriter,
+    LlamaFileType,
+    MODEL_ARCH,
+    MODEL_ARCH_NAMES,
+    get_tensor_name_map,
+)
+from gguf.quants import quant_shape_to_byte_shape, quantize
+from gguf.constants import GGML_QUANT_SIZES
+from tqdm.auto import tqdm
+from transformers import AutoConfig
+
+from blockfold.errors import BlockfoldError
+from blockfold.models.checkpoint import CheckpointReader
+
+log = logging.getLogger(__name__)
+
+Q = GGMLQuantizationType
+
+#: ``--quant`` names a uniform export can write (the ``gguf`` package quantizes these itself)
+QUANT_TYPES: dict[str, GGMLQuantizationType] = {
+    "f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0,
+    "q4_0": Q.Q4_0, "q4_1": Q.Q4_1, "q5_0": Q.Q5_0, "q5_1": Q.Q5_1,
+}
+#: keep the source GGUF's type per tensor (only for models that came from a GGUF file)
+SOURCE = "source"
+_FILE_TYPES = {Q.F32: LlamaFileType.ALL_F32, Q.F16: LlamaFileType.MOSTLY_F16, Q.BF16: LlamaFileType.MOSTLY_BF16,
+               Q.Q8_0: LlamaFileType.MOSTLY_Q8_0, Q.Q4_0: LlamaFileType.MOSTLY_Q4_0,
+               Q.Q4_1: LlamaFileType.MOSTLY_Q4_1, Q.Q5_0: LlamaFileType.MOSTLY_Q5_0,
+               Q.Q5_1: LlamaFileType.MOSTLY_Q5_1}
+#: types the ``gguf`` package can quantize to (K-quants it only reads)
+_WRITABLE = set(QUANT_TYPES.values())
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """What llama.cpp calls a Hugging Face ``model_type`` and how its tensors differ from transformers'."""
+
+    arch: MODEL_ARCH
+    permute_qk: bool = False  # llama.cpp's llama graph applies rotary embeddings to interleaved pairs
+    norm_offset: float = 0.0  # Gemma's RMSNorm multiplies by (1 + w); llama.cpp stores 1 + w
+
+
+ARCHITECTURES = {
+    "llama": Architecture(MODEL_ARCH.LLAMA, permute_qk=True),
+    "mistral": Architecture(MODEL_ARCH.LLAMA, permute_qk=True),
+    "qwen2": Architecture(MODEL_ARCH.QWEN2),
+    "qwen3": Architecture(MODEL_ARCH.QWEN3),
+    "gemma2": Architecture(MODEL_ARCH.GEMMA2, norm_offset=1.0),
+    "gemma3_text": Architecture(MODEL_ARCH.GEMMA3, norm_offset=1.0),
+}
+
+
+def export_gguf(model: str | Path, out: str | Path, quant: str = "f16", overwrite: bool = False) -> Path:
+    """Write ``model`` (a Hugging Face folder, e.g. a blockfold output) to the GGUF file ``out``."""
+    model, out = Path(model).expanduser(), Path(out).expanduser()
+    if out.suffix != ".gguf":
+        raise BlockfoldError(f"export target {out} must end in .gguf (llama.cpp finds GGUF files by that suffix)")
+    if out.exists() and not overwrite:
+        raise BlockfoldError(f"{out} exists: pass --overwrite to replace it, or choose another file")
+    if quant != SOURCE and quant not in QUANT_TYPES:
+        raise BlockfoldError(f"--quant {quant!r} is not a type blockfold writes: choose one of "
+                             f"{', '.join([*QUANT_TYPES, SOURCE])} (K-quants: export f16 and run llama.cpp's "
+                             "llama-quantize, or start from a K-quant GGUF and export with --quant source)")
+    plan = _plan(model, quant)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    try:
+        _write(plan, staging)
+        os.replace(staging, out)
+    finally:
+        staging.unlink(missing_ok=True)
+    log.info("wrote %s (%.1f MB, %d tensors, %d copied unchanged from the source GGUF)", out,
+             out.stat().st_size / 1e6, len(plan.tensors), sum(t.copied_from is not None for t in plan.tensors))
+    return out
+
+
+@dataclass
+class _Tensor:
+    gguf_name: str
+    hf_name: str | None  # read from the checkpoint and converted, or
+    copied_from: str | None  # copied byte for byte from this tensor of the source GGUF
+    qtype: GGMLQuantizationType
+    shape: tuple[int, ...]  # logical shape, numpy order
+
+
+@dataclass
+class _Plan:
+    model: Path
+    config: object
+    architecture: Architecture
+    metadata: list[tuple[str, object, GGUFValueType, GGUFValueType | None]]
+    tensors: list[_Tensor]
+    source_gguf: Path | None
+    file_type: LlamaFileType | None
+
+
+def _plan(model: Path, quant: str) -> _Plan:
+    try:
+        config = AutoConfig.from_pretrained(model)
+    except (OSError, ValueError) as error:
+        raise BlockfoldError(f"{model} is not a Hugging Face model folder ({str(error).splitlines()[0]}): "
+                             "export a folder written by `blockfold compress` or save_pretrained") from None
+    model_type = config.model_type
+    if model_type.startswith("blockfold_"):
+        raise BlockfoldError(
+            f"{model} replaces sublayers by linear maps (NBL), which no llama.cpp architecture expresses (a layer "
+            "whose attention is `W x + b` with no KV cache): serve it with transformers, or export a depth-pruned "
+            "output (replaceme, uidl, drop-block, sleb)")
+    if model_type not in ARCHITECTURES:
+        raise BlockfoldError(f"GGUF export supports model types {', '.join(ARCHITECTURES)}; {model} is "
+                             f"{model_type!r}")
+    architecture = ARCHITECTURES[model_type]
+    manifest = _manifest(model)
+    kept = _kept_blocks(manifest, config.num_hidden_layers)
+    found = _source_gguf(manifest, model)
+    if quant == SOURCE and found is None:
+        raise BlockfoldError(f"--quant source keeps the types of the GGUF file a model came from, and {model} did not "
+                             "come from one: choose a type, e.g. --quant f16 or q8_0")
+    reader = CheckpointReader(model)
+    source = _SourceGGUF(*found) if found else None
+    names_now = get_tensor_name_map(architecture.arch, config.num_hidden_layers)
+    tensors = []
+    for hf_name in reader.names():
+        gguf_name = names_now.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if gguf_name is None:
+            raise BlockfoldError(f"{model}: no GGUF name for tensor {hf_name} of {model_type}; this checkpoint does "
+                                 "not match llama.cpp's layout for its architecture")
+        shape = tuple(reader.shape(hf_name))
+        copied = source.unchanged(hf_name, kept, reader) if (source and quant == SOURCE) else None
+        if copied is not None:
+            tensors.append(_Tensor(gguf_name, None, copied.name, copied.tensor_type, shape))
+            continue
+        if len(shape) < 2:
+            qtype = Q.F32
+        elif quant == SOURCE:
+            old = source.type_of(hf_name, kept)
+            qtype = old if old in _WRITABLE else Q.Q8_0
+        else:
+            qtype = QUANT_TYPES[quant]
+        tensors.append(_Tensor(gguf_name, hf_name, None, _fits(qtype, shape), shape))
+    metadata = source.metadata(architecture, kept) if source else _metadata_from_config(config, architecture, model)
+    metadata += _layer_metadata(config, architecture, manifest)
+    file_type = source.file_type if quant == SOURCE else _FILE_TYPES[QUANT_TYPES[quant]]
+    return _Plan(model, config, architecture, metadata, tensors, source.path if source else None, file_type)
+
+
+def _fits(qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> GGMLQuantizationType:
+    """``qtype``, or float16 where its block size does not divide a row (llama.cpp's converter does the same)."""
+    block = GGML_QUANT_SIZES[qtype][0]
+    return qtype if shape[-1] % block == 0 else Q.F16
+
+
+def _manifest(model: Path) -> dict:
+    path = model / "blockfold_manifest.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _kept_blocks(manifest: dict, num_layers: int) -> list[int]:
+    """The source's block index of each block that remains."""
+    original = manifest.get("original_num_layers", num_layers)
+    removed = set(manifest.get("removed_blocks") or [])
+    kept = [index for index in range(original) if index not in removed]
+    if len(kept) != num_layers:
+        raise BlockfoldError(f"the manifest says {original} - {len(removed)} blocks remain but the config has "
+                             f"{num_layers}: the folder was edited after compression; export the original output")
+    return kept
+
+
+def _source_gguf(manifest: dict, model: Path) -> tuple[Path, Path] | None:
+    """The GGUF file the model was converted from and the folder it was converted into, where
+    blockfold recorded them (the model itself, or the source its manifest names)."""
+    for folder in (model, Path((manifest.get("source_model") or {}).get("path") or model)):
+        record = folder / "blockfold_source.json"
+        if record.is_file():
+            path = Path(json.loads(record.read_text()).get("gguf") or "")
+            if path.is_file():
+                return path, folder
+    return None
+
+
+class _SourceGGUF:
+    """The GGUF file (and its converted folder) a model came from: metadata and unchanged tensors."""
+
+    def __init__(self, path: Path, converted: Path):
+        self.path = path
+        self.reader = GGUFReader(path)
+        self.tensors = {tensor.name: tensor for tensor in self.reader.tensors}
+        self.arch = str(self.reader.fields["general.architecture"].contents())
+        self.original_layers = int(self.reader.fields[f"{self.arch}.block_count"].contents())
+        self.names = get_tensor_name_map(_arch_of(self.arch), self.original_layers)
+        self.converted = CheckpointReader(converted)
+        field = self.reader.fields.get("general.file_type")
+        self.file_type = LlamaFileType(int(field.contents())) if field is not None else None
+
+    def _source_name(self, hf_name: str, kept: list[int]) -> str:
+        return _LAYER.sub(lambda m: f"model.layers.{kept[int(m.group(1))]}.", hf_name)
+
+    def type_of(self, hf_name: str, kept: list[int]) -> GGMLQuantizationType | None:
+        name = self.names.get_name(self._source_name(hf_name, kept), try_suffixes=(".weight", ".bias"))
+        return self.tensors[name].tensor_type if name in self.tensors else None
+
+    def unchanged(self, hf_name: str, kept: list[int], reader: CheckpointReader):
+        """The source's GGUF tensor for ``hf_name`` when compression left it bit for bit as converted."""
+        source_hf = self._source_name(hf_name, kept)
+        gguf_name = self.names.get_name(source_hf, try_suffixes=(".weight", ".bias"))
+        if gguf_name not in self.tensors or source_hf not in self.converted:
+            return None
+        return self.tensors[gguf_name] if torch.equal(reader.get(hf_name), self.converted.get(source_hf)) else None
+
+    def metadata(self, architecture: Architecture, kept: list[int]) -> list:
+        """Every field of the source but its file layout, per-layer arrays cut to the kept blocks."""
+        if _arch_of(self.arch) != architecture.arch:
+            raise BlockfoldError(f"{self.path} is GGUF architecture {self.arch!r} but the model exports as "
+                                 f"{MODEL_ARCH_NAMES[architecture.arch]!r}: export with a type, e.g. --quant f16")
+        fields = []
+        for name, field in self.reader.fields.items():
+            if name.startswith("GGUF.") or name in ("general.architecture", "general.file_type"):
+                continue
+            value = field.contents()
+            main = field.types[0]
+            sub = field.types[-1] if main == GGUFValueType.ARRAY else None
+            if name.startswith(f"{self.arch}.") and isinstance(value, list) and len(value) == self.original_layers:
+                value = [value[index] for index in kept]
+            fields.append((name, value, main, sub))
+        return fields
+
+
+def _arch_of(name: str) -> MODEL_ARCH:
+    for arch, arch_name in MODEL_ARCH_NAMES.items():
+        if arch_name == name:
+            return arch
+    raise BlockfoldError(f"unknown GGUF architecture {name!r}")
+
+
+def _metadata_from_config(config, architecture: Architecture, model: Path) -> list:
+    raise BlockfoldError(
+        f"{model} did not come from a GGUF file, and building llama.cpp tokenizer metadata from a Hugging Face "
+        "tokenizer is not supported yet: compress the model's GGUF file (--model model.gguf) and export that output")
+
+
+def _layer_metadata(config, architecture: Architecture, manifest: dict) -> list:
+    """The fields compression changes, from the exported config (they override the source's)."""
+    arch = MODEL_ARCH_NAMES[architecture.arch]
+    fields = [(f"{arch}.block_count", config.num_hidden_layers, GGUFValueType.UINT32, None)]
+    layer_types = getattr(config, "layer_types", None)
+    if architecture.arch == MODEL_ARCH.GEMMA3 and layer_types and getattr(config, "sliding_window", None):
+        # llama.cpp assumes every sixth layer global unless told per layer; removal breaks that rhythm
+        fields.append((f"{arch}.attention.sliding_window_pattern",
+                       [kind == "sliding_attention" for kind in layer_types], GGUFValueType.ARRAY,
+                       GGUFValueType.BOOL))
+    if manifest:
+        removed = manifest.get("removed_blocks") or []
+        fields.append(("blockfold.method", str(manifest.get("method", "")), GGUFValueType.STRING, None))
+        fields.append(("blockfold.removed_blocks", removed or [-1], GGUFValueType.ARRAY, GGUFValueType.INT32))
+    return fields
+
+
+def _write(plan: _Plan, path: Path) -> None:
+    arch = MODEL_ARCH_NAMES[plan.architecture.arch]
+    writer = GGUFWriter(path, arch)
+    fields = {}
+    for name, value, main, sub in plan.metadata:  # a later entry (this export's) replaces the source's
+        fields[name] = (value, main, sub)
+    for name, (value, main, sub) in fields.items():
+        writer.add_key_value(name, value, main, sub_type=sub)
+    if plan.file_type is not None:
+        writer.add_file_type(plan.file_type)
+    source = plan.source_gguf.open("rb") if plan.source_gguf else None
+    reader = CheckpointReader(plan.model)
+    source_tensors = {t.name: t for t in GGUFReader(plan.source_gguf).tensors} if plan.source_gguf else {}
+    for tensor in plan.tensors:
+        if tensor.copied_from is not None:
+            data = source_tensors[tensor.copied_from].data
+            writer.add_tensor_info(tensor.gguf_name, data.shape, data.dtype, data.nbytes, raw_dtype=tensor.qtype)
+        else:
+            dtype, nbytes = _encoded_size(tensor.qtype, tensor.shape)
+            writer.add_tensor_info(tensor.gguf_name, _info_shape(tensor.qtype, tensor.shape), dtype, nbytes,
+                                   raw_dtype=tensor.qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    try:
+        for tensor in tqdm(plan.tensors, desc=f"writing {path.name.removeprefix('.').split('.partial')[0]}",
+                           unit="tensor"):
+            if tensor.copied_from is not None:
+                writer.write_tensor_data(np.asarray(source_tensors[tensor.copied_from].data))
+            else:
+                writer.write_tensor_data(_encode(_gguf_layout(reader.get(tensor.hf_name), tensor.hf_name, plan),
+                                                 tensor.qtype))
+    finally:
+        writer.close()
+        if source:
+            source.close()
+
+
+def _gguf_layout(weight: torch.Tensor, hf_name: str, plan: _Plan) -> np.ndarray:
+    """The tensor as llama.cpp's converter stores it."""
+    weight = weight.float()
+    architecture, config = plan.architecture, plan.config
+    if architecture.permute_qk and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+        heads = config.num_attention_heads if "q_proj" in hf_name else config.num_key_value_heads
+        weight = weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2)
+        weight = weight.reshape(-1, *weight.shape[3:])
+    if architecture.norm_offset and hf_name.endswith("norm.weight"):
+        weight = weight + architecture.norm_offset
+    return weight.contiguous().numpy()
+
+
+def _encode(data: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+    if qtype == Q.F32:
+        return data.astype(np.float32)
+    if qtype == Q.F16:
+        return data.astype(np.float16)
+    return quantize(data.astype(np.float32), qtype)
+
+
+def _info_shape(qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> tuple[int, ...]:
+    return quant_shape_to_byte_shape(shape, qtype) if qtype not in (Q.F32, Q.F16) else shape
+
+
+def _encoded_size(qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> tuple[np.dtype, int]:
+    if qtype == Q.F32:
+        return np.dtype(np.float32), 4 * int(np.prod(shape))
+    if qtype == Q.F16:
+        return np.dtype(np.float16), 2 * int(np.prod(shape))
+    return np.dtype(np.uint8), int(np.prod(quant_shape_to_byte_shape(shape, qtype)))

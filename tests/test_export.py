@@ -1,0 +1,144 @@
+"""GGUF export: what llama.cpp reads, in the layout of llama.cpp's own converter.
+
+Checked with the ``gguf`` package's reader (llama.cpp itself runs in bench/serving.py): the real
+SmolLM2's GGUF round trip is byte for byte, a float16 export holds the source's values (so the q/k
+permutation and Gemma's norm offset are llama.cpp's), and a compressed output has its remaining
+blocks, its manifest's removed blocks, and every untouched tensor copied from the source.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import random_calibration, require_smollm2, shared_file, tiny_model, tiny_tokenizer
+from gguf import GGMLQuantizationType, GGUFReader, dequantize
+
+import blockfold
+from blockfold.cli import main
+from blockfold.errors import BlockfoldError
+from blockfold.export import export_gguf
+from blockfold.export.gguf import ARCHITECTURES, _layer_metadata
+from blockfold.models.sources import resolve_model_path
+
+
+def _source(name: str) -> Path:
+    from blockfold.models.sources import BUILTIN_MODELS
+
+    require_smollm2()
+    return BUILTIN_MODELS[name]()
+
+
+def _fields(reader: GGUFReader) -> dict:
+    return {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
+
+
+@pytest.fixture(scope="module")
+def compressed_smollm2(tmp_path_factory) -> Path:
+    """SmolLM2-135M with 4 blocks removed by ReplaceMe (a small calibration: the layout is tested, not quality)."""
+    require_smollm2()
+    out = tmp_path_factory.mktemp("export") / "smollm2-replaceme-4"
+    assert main(["compress", "--model", "smollm2-135m", "--calib", str(shared_file("c4_demo.jsonl")),
+                 "--calib-docs", "32", "--num-seqs", "16", "--seq-len", "64", "--blocks", "4", "--out", str(out)]) == 0
+    return out
+
+
+def test_unchanged_builtin_round_trips_byte_for_byte(tmp_path):
+    source = _source("smollm2-135m")
+    out = export_gguf(resolve_model_path("smollm2-135m"), tmp_path / "same.gguf",
+                      quant="source")
+    original, exported = GGUFReader(source), GGUFReader(out)
+    assert _fields(exported) == _fields(original)
+    assert [t.name for t in exported.tensors] == [t.name for t in original.tensors]
+    for a, b in zip(original.tensors, exported.tensors):
+        assert a.tensor_type == b.tensor_type and np.array_equal(np.asarray(a.data), np.asarray(b.data)), a.name
+
+
+def test_float16_export_holds_the_source_values(tmp_path):
+    """Dequantized source against the f16 export of its transformers conversion: equal to f16 rounding,
+    which fails if the q/k rows were left in transformers' order."""
+    source = _source("smollm2-135m")
+    out = tmp_path / "f16.gguf"
+    assert main(["export", "smollm2-135m", str(out), "--quant", "f16"]) == 0
+    exported = {t.name: t for t in GGUFReader(out).tensors}
+    for tensor in GGUFReader(source).tensors:
+        mine = exported[tensor.name]
+        assert mine.tensor_type == (GGMLQuantizationType.F16 if len(tensor.shape) > 1 else GGMLQuantizationType.F32)
+        expected = dequantize(tensor.data, tensor.tensor_type)
+        got = dequantize(mine.data, mine.tensor_type)
+        assert np.abs(got - expected).max() <= 1e-3 * np.abs(expected).max(), tensor.name
+
+
+def test_compressed_output_exports_its_blocks(compressed_smollm2, tmp_path):
+    manifest = json.loads((compressed_smollm2 / "blockfold_manifest.json").read_text())
+    removed = manifest["removed_blocks"]
+    kept = [index for index in range(30) if index not in removed]
+    folded = manifest["spans"][0]["folded_into_block"]
+    source = {t.name: t for t in GGUFReader(_source("smollm2-135m")).tensors}
+
+    out = tmp_path / "round-trip.gguf"
+    assert main(["export", str(compressed_smollm2), str(out), "--quant", "source"]) == 0
+    reader = GGUFReader(out)
+    fields = _fields(reader)
+    assert fields["llama.block_count"] == 26 and sorted(fields["blockfold.removed_blocks"]) == sorted(removed)
+    assert fields["tokenizer.ggml.tokens"] == _fields(GGUFReader(_source("smollm2-135m")))["tokenizer.ggml.tokens"]
+    tensors = {t.name: t for t in reader.tensors}
+    assert len(tensors) == 2 + 9 * 26  # embedding (tied to the output), final norm, nine per block
+    new_folded = kept.index(folded)
+    for name, tensor in tensors.items():
+        if not name.startswith("blk."):
+            continue
+        index, rest = name.split(".", 2)[1:]
+        original = source[f"blk.{kept[int(index)]}.{rest}"]
+        assert tensor.tensor_type == original.tensor_type, name  # Q4_1 is writable, so the folded one keeps it
+        if name == f"blk.{new_folded}.ffn_down.weight":  # the fold changed it: quantized again from the output
+            assert not np.array_equal(np.asarray(tensor.data), np.asarray(original.data))
+        else:
+            assert np.array_equal(np.asarray(tensor.data), np.asarray(original.data)), name
+
+    uniform = tmp_path / "q8.gguf"
+    assert main(["export", str(compressed_smollm2), str(uniform), "--quant", "q8_0"]) == 0
+    q8 = {t.name: t for t in GGUFReader(uniform).tensors}
+    assert set(q8) == set(tensors)
+    assert {t.tensor_type for t in q8.values() if len(t.shape) > 1} == {GGMLQuantizationType.Q8_0}
+    assert all(tuple(q8[name].shape) == tuple(tensors[name].shape) for name in q8)
+
+
+def test_gemma_sliding_layers_are_listed_per_layer():
+    """llama.cpp assumes every sixth Gemma-3 layer global; after removal the export names each layer's kind."""
+    config = tiny_model("gemma3_text").config
+    config.layer_types = ["sliding_attention", "full_attention", "sliding_attention"]
+    config.num_hidden_layers = 3
+    fields = {name: value for name, value, *_ in _layer_metadata(config, ARCHITECTURES["gemma3_text"], {})}
+    assert fields["gemma3.attention.sliding_window_pattern"] == [True, False, True]
+    assert fields["gemma3.block_count"] == 3
+
+
+def test_bad_exports_are_refused_with_the_fix(capsys, compressed_smollm2, tmp_path):
+    def refused(*argv: str) -> str:
+        assert main(["export", *argv]) == 2
+        return capsys.readouterr().err
+
+    assert "must end in .gguf" in refused(str(compressed_smollm2), str(tmp_path / "model.bin"))
+    existing = tmp_path / "there.gguf"
+    existing.write_bytes(b"x")
+    assert "--overwrite" in refused(str(compressed_smollm2), str(existing))
+    assert existing.read_bytes() == b"x"
+
+    model = tiny_model("llama")
+    folder = tmp_path / "tiny"
+    model.save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    assert "--quant f16" in refused(str(folder), str(tmp_path / "t.gguf"), "--quant", "source")
+    assert not list(tmp_path.glob("*.partial*")) and not (tmp_path / "t.gguf").exists()
+
+
+def test_nbl_outputs_are_refused_with_the_reason(tmp_path):
+    model = tiny_model("llama")
+    result = blockfold.compress(model, tiny_tokenizer(), {"method": "nbl", "attention_layers": 1},
+                                calibration=random_calibration())
+    folder = result.save(tmp_path / "nbl")
+    with pytest.raises(BlockfoldError, match="no llama.cpp architecture"):
+        export_gguf(folder, tmp_path / "nbl.gguf")
