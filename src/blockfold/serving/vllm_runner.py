@@ -21,7 +21,8 @@ def main() -> None:
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in request["prompts"]]
     longest = max(len(ids) for ids in request["prompts"]) + request["new_tokens"] + 8
     llm = LLM(model=request["model"], dtype=request.get("dtype", "float32"), max_model_len=max(longest, 256),
-              trust_remote_code=request.get("trust_remote_code", False), seed=0)
+              trust_remote_code=request.get("trust_remote_code", False), seed=0,
+              enforce_eager=request.get("eager", True))  # compiling takes minutes on a CPU and serves no check
     greedy = SamplingParams(temperature=0.0, max_tokens=request["new_tokens"], ignore_eos=True)
     first = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     llm.generate(prompts[:1], first, use_tqdm=False)  # warm-up: compilation and allocation are not serving
