@@ -379,6 +379,14 @@ def _weights_difference(difference: dict) -> str:
             f"fitted {difference['differing']} within {difference['max_relative']:.1e} of their largest entry")
 
 
+def _cache_agreement(pair: dict) -> str:
+    if pair["identical_to_uncached"]:
+        return "identical to uncached"
+    if "difference_to_uncached" in pair:  # recorded since 5a38304
+        return f"differs from uncached: {_weights_difference(pair['difference_to_uncached'])}"
+    return "differs from uncached (by how much was not recorded)"
+
+
 def render_scale_out(results: dict) -> str:
     """Issue #13: two torchrun processes against one, a killed run resumed, the statistics cache."""
     processes, resume = results["processes"], results["resume"]
@@ -400,7 +408,7 @@ def render_scale_out(results: dict) -> str:
                      f"{pair['first_seconds']:.1f} s then {pair['second_seconds']:.1f} s "
                      f"({pair['cached_passes']} of {pair['passes']} passes cached; uncached: "
                      f"{pair['uncached_second_seconds']:.1f} s) | {pair['second_over_first']:.2f} | "
-                     f"{'identical to uncached' if pair['identical_to_uncached'] else 'differs from uncached'} |")
+                     f"{_cache_agreement(pair)} |")
     return "\n".join([*lines, "", *_footer([results])])
 
 

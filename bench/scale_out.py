@@ -138,7 +138,8 @@ def main() -> None:
                                     "second_over_first": second["seconds"] / first["seconds"],
                                     "cached_passes": _manifest(tmp / "c2")["execution"]["cached_passes"],
                                     "passes": _manifest(tmp / "c2")["execution"]["passes"],
-                                    "identical_to_uncached": _same(tmp / "c2", tmp / "c3")})
+                                    "identical_to_uncached": _same(tmp / "c2", tmp / "c3"),
+                                    "difference_to_uncached": _difference(tmp / "c2", tmp / "c3")})
             print(json.dumps(record["cache"][-1]), flush=True)
     Path(args.json).write_text(json.dumps(record, indent=1))
 
