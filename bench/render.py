@@ -412,10 +412,53 @@ def render_scale_out(results: dict) -> str:
     return "\n".join([*lines, "", *_footer([results])])
 
 
+def _engine_cell(row: dict) -> str:
+    if "error" in row:
+        return "not served: " + row["error"].split(": ", 1)[-1][:120]
+    text = f"{row['matching']}/{row['prompts']}"
+    if row["gaps_where_parted"]:
+        text += f" (parted at gaps {', '.join(f'{gap:.3f}' for gap in sorted(row['gaps_where_parted'])[:3])}"
+        text += ", ...)" if len(row["gaps_where_parted"]) > 3 else ")"
+    return text
+
+
+def render_serving(results: dict) -> str:
+    """Issue #14: greedy tokens of vLLM and llama.cpp against transformers, throughput, the GGUF round trip."""
+    lines = [f"Greedy tokens equal to transformers' (float32) on {results['prompts']} prompts × "
+             f"{results['new_tokens']} new tokens (where some differ: transformers' top-2 logit gap at the first "
+             "differing token), and throughput relative to the original in the same engine "
+             "(prefill / decode; vLLM: the 20 prompts batched, llama.cpp: one at a time, "
+             f"{results['threads']} threads).", ""]
+    for entry in results["models"]:
+        engines = list(entry["variants"][0]["engines"])
+        lines += [f"**{entry['model']}**", "", "| variant | " + " | ".join(engines) + " |",
+                  "|---|" + "---|" * len(engines)]
+        baseline = entry["variants"][0]["engines"]
+        for variant in entry["variants"]:
+            cells = []
+            for engine in engines:
+                row, base = variant["engines"][engine], baseline[engine]
+                cell = _engine_cell(row)
+                if "error" not in row and "error" not in base:
+                    cell += (f"; {row['prefill_tokens_per_s'] / base['prefill_tokens_per_s']:.2f}x / "
+                             f"{row['decode_tokens_per_s'] / base['decode_tokens_per_s']:.2f}x")
+                    if variant is entry["variants"][0]:
+                        cell += (f" ({row['prefill_tokens_per_s']:.0f} / {row['decode_tokens_per_s']:.1f} tok/s)")
+                cells.append(cell)
+            lines.append(f"| {variant['variant']} | " + " | ".join(cells) + " |")
+        trip = entry["round_trip"]
+        lines += ["", f"GGUF round trip ({trip['windows']} WikiText-2 windows of 512 tokens, llama.cpp): "
+                  f"`{trip['source_gguf']}` ({trip['source_mb']:.0f} MB) perplexity {trip['source_perplexity']:.2f}; "
+                  f"{entry['variants'][1]['variant']} exported with `--quant source` ({trip['exported_mb']:.0f} MB) "
+                  f"{trip['round_trip_perplexity']:.2f}.", ""]
+    return "\n".join([*lines, *_footer([results])])
+
+
 #: section name → (results file or files, renderer); a section renders only where BENCHMARKS.md has its markers
 SECTIONS: dict[str, tuple[str | tuple[str, ...], Callable]] = {
     "scale": ("scale.json", render_scale),
     "scale-out": ("scale_out.json", render_scale_out),
+    "serving": ("serving.json", render_serving),
     "packing": ("calibration_packing.json", render_packing),
     "healing": (("healing.json", "healing_v3_through_norm.json"), render_healing),
     "gemma": (("gemma_sandwich.json", "gemma_placement.json"), render_gemma),

@@ -9,6 +9,9 @@ defaults), greedy tokens of each engine against transformers (float32) on the sa
 ids (64 tokens, 16 new), prefill and decode throughput original against compressed in one run, and
 the GGUF round trip: the source's own quantized file against the compressed model exported with
 ``--quant source``, perplexity in llama.cpp on WikiText-2 windows.
+
+Compressed outputs are kept in ``--work`` and reused by a later invocation (to restart after an
+engine failure without compressing again); delete that folder to measure from scratch.
 """
 
 from __future__ import annotations
@@ -17,7 +20,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -110,6 +112,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--ppl-windows", type=int, default=20)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--work", type=Path, default=Path(".serving-work"),
+                        help="compressed outputs and GGUF files; a compressed output already there is reused")
     parser.add_argument("--json", default="bench/results/serving.json")
     args = parser.parse_args()
     record = {"provenance": provenance(["bench/serving.py", *sys.argv[1:]]), "prompts": args.prompts,
@@ -118,16 +122,17 @@ def main() -> None:
     for spec in args.models.split(","):
         model, blocks, attention = spec.split(":")
         entry = {"model": model, "variants": []}
-        with tempfile.TemporaryDirectory(dir=".") as scratch:
-            scratch = Path(scratch)
-            folders = {"original": Path(resolve_model_path(model))}
-            for name, method in ((f"replaceme-{blocks}", blockfold.ReplaceMe(blocks=int(blocks))),
-                                 (f"nbl-{attention}", blockfold.NBL(attention_layers=int(attention)))):
-                folders[name] = blockfold.compress(model, recipe=blockfold.Recipe.of(method, calibration)).save(
-                    scratch / name)
-            for name, folder in folders.items():
-                entry["variants"].append(measure_variant(name, folder, scratch, args))
-            entry["round_trip"] = round_trip(model, folders[f"replaceme-{blocks}"], scratch, args)
+        scratch = args.work / model
+        scratch.mkdir(parents=True, exist_ok=True)
+        folders = {"original": Path(resolve_model_path(model))}
+        for name, method in ((f"replaceme-{blocks}", blockfold.ReplaceMe(blocks=int(blocks))),
+                             (f"nbl-{attention}", blockfold.NBL(attention_layers=int(attention)))):
+            folders[name] = scratch / name
+            if not (folders[name] / "blockfold_manifest.json").is_file():  # saves are atomic: present means whole
+                blockfold.compress(model, recipe=blockfold.Recipe.of(method, calibration)).save(folders[name])
+        for name, folder in folders.items():
+            entry["variants"].append(measure_variant(name, folder, scratch, args))
+        entry["round_trip"] = round_trip(model, folders[f"replaceme-{blocks}"], scratch, args)
         record["models"].append(entry)
         Path(args.json).write_text(json.dumps(record, indent=1))
 

@@ -22,7 +22,10 @@ def main() -> None:
     longest = max(len(ids) for ids in request["prompts"]) + request["new_tokens"] + 8
     llm = LLM(model=request["model"], dtype=request.get("dtype", "float32"), max_model_len=max(longest, 256),
               trust_remote_code=request.get("trust_remote_code", False), seed=0,
-              enforce_eager=request.get("eager", True))  # compiling takes minutes on a CPU and serves no check
+              enforce_eager=request.get("eager", True),  # compiling takes minutes on a CPU and serves no check
+              # on the CPU backend this is the share of the machine's memory vLLM reserves (0.92 by default,
+              # which fails to start beside any other process); a small model's KV cache needs little
+              gpu_memory_utilization=request.get("memory_fraction", 0.25))
     greedy = SamplingParams(temperature=0.0, max_tokens=request["new_tokens"], ignore_eos=True)
     first = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     llm.generate(prompts[:1], first, use_tqdm=False)  # warm-up: compilation and allocation are not serving
