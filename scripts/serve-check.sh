@@ -40,5 +40,9 @@ if [ ! -f "$home/.ready" ]; then  # absent, or a setup that did not finish: star
   esac
   touch "$home/.ready"
 fi
+if [ "$engine" = vllm ] && ! "$home/bin/pip" show -q blockfold-vllm >/dev/null 2>&1; then
+  # the plugin that serves NBL checkpoints (linearized attention, no KV cache); editable, so it follows the repo
+  "$home/bin/pip" install -q --no-deps --no-build-isolation -e "$repo/plugins/vllm"
+fi
 export BLOCKFOLD_ENGINES="$engines"
 exec "$repo/.venv/bin/python" -m blockfold.serving.check "$@"

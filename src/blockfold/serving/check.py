@@ -7,6 +7,7 @@ engine's greedy tokens equal transformers' on every prompt, printing both where 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import logging
 import sys
@@ -30,7 +31,9 @@ def agreement(model: str, engine: str, quant: str = "f16", prompts: Path = DEFAU
     folder = Path(resolve_model_path(model))
     tokenizer = AutoTokenizer.from_pretrained(folder)
     texts, ids = read_prompts(Path(prompts), tokenizer, count, prompt_tokens)
-    reference_model = AutoModelForCausalLM.from_pretrained(folder, dtype="float32").eval()
+    # NBL outputs ship their modeling code (and vLLM serves them through plugins/vllm)
+    remote = json.loads((folder / "config.json").read_text()).get("model_type", "").startswith("blockfold_")
+    reference_model = AutoModelForCausalLM.from_pretrained(folder, dtype="float32", trust_remote_code=remote).eval()
     reference, gaps = transformers_greedy(reference_model, ids, new_tokens)
     del reference_model
     with tempfile.TemporaryDirectory(dir=folder.parent) as scratch:
@@ -38,7 +41,7 @@ def agreement(model: str, engine: str, quant: str = "f16", prompts: Path = DEFAU
             gguf = export_gguf(folder, Path(scratch) / "model.gguf", quant=quant)
         target = str(gguf) if engine == "llamacpp" else str(folder)
         result = run_engine(engine, {"model": target, "prompts": ids, "new_tokens": new_tokens, "threads": threads,
-                                     "texts": texts})
+                                     "texts": texts, "trust_remote_code": remote})
     expected_ids = [tokenizer(text)["input_ids"] for text in texts]
     tokenization = sum(a == b for a, b in zip(expected_ids, result["tokenized"]))
     speed = {key: result[key] for key in ("prefill_seconds", "decode_seconds", "prefill_tokens", "decode_tokens")}
