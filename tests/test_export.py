@@ -20,14 +20,16 @@ import blockfold
 from blockfold.cli import main
 from blockfold.errors import BlockfoldError
 from blockfold.export import export_gguf
-from blockfold.export.gguf import ARCHITECTURES, _layer_metadata
+from blockfold.export.gguf import ARCHITECTURES, _gguf_layout, _layer_metadata, _plan
+from blockfold.models.checkpoint import CheckpointReader
 from blockfold.models.sources import resolve_model_path
 
 
 def _source(name: str) -> Path:
     from blockfold.models.sources import BUILTIN_MODELS
 
-    require_smollm2()
+    if name == "smollm2-135m":
+        require_smollm2()
     return BUILTIN_MODELS[name]()
 
 
@@ -45,6 +47,7 @@ def compressed_smollm2(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_unchanged_builtin_round_trips_byte_for_byte(tmp_path):
     source = _source("smollm2-135m")
     out = export_gguf(resolve_model_path("smollm2-135m"), tmp_path / "same.gguf",
@@ -56,12 +59,29 @@ def test_unchanged_builtin_round_trips_byte_for_byte(tmp_path):
         assert a.tensor_type == b.tensor_type and np.array_equal(np.asarray(a.data), np.asarray(b.data)), a.name
 
 
-def test_float16_export_holds_the_source_values(tmp_path):
+def test_llama_cpp_layout_is_the_source_gguf_layout():
+    """transformers un-permutes llama's q/k rows when it reads a GGUF; the export permutes them back:
+    the first block's tensors in GGUF layout equal the source's dequantized values exactly."""
+    source = {t.name: t for t in GGUFReader(_source("smollm2-135m")).tensors}
+    folder = resolve_model_path("smollm2-135m")
+    plan = _plan(folder, "f32")
+    reader = CheckpointReader(folder)
+    for tensor in plan.tensors:
+        if tensor.gguf_name.startswith("blk.0."):
+            original = source[tensor.gguf_name]
+            expected = dequantize(original.data, original.tensor_type)
+            assert np.array_equal(_gguf_layout(reader.get(tensor.hf_name), tensor.hf_name, plan), expected), \
+                tensor.gguf_name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["smollm2-135m", "gemma3-270m"])
+def test_float16_export_holds_the_source_values(tmp_path, model):
     """Dequantized source against the f16 export of its transformers conversion: equal to f16 rounding,
-    which fails if the q/k rows were left in transformers' order."""
-    source = _source("smollm2-135m")
+    which fails if llama's q/k rows were left in transformers' order or Gemma's norms lost their 1 +."""
+    source = _source(model)
     out = tmp_path / "f16.gguf"
-    assert main(["export", "smollm2-135m", str(out), "--quant", "f16"]) == 0
+    assert main(["export", model, str(out), "--quant", "f16"]) == 0
     exported = {t.name: t for t in GGUFReader(out).tensors}
     for tensor in GGUFReader(source).tensors:
         mine = exported[tensor.name]
