@@ -428,7 +428,8 @@ def render_serving(results: dict) -> str:
              f"{results['new_tokens']} new tokens (where some differ: transformers' top-2 logit gap at the first "
              "differing token), and throughput relative to the original in the same engine "
              "(prefill / decode; vLLM: the 20 prompts batched, llama.cpp: one at a time, "
-             f"{results['threads']} threads).", ""]
+             f"{results['threads']} threads); for vLLM also the tokens its KV cache holds in the same reserved "
+             "memory (more where layers keep no KV cache).", ""]
     for entry in results["models"]:
         engines = list(entry["variants"][0]["engines"])
         lines += [f"**{entry['model']}**", "", "| variant | " + " | ".join(engines) + " |",
@@ -442,8 +443,12 @@ def render_serving(results: dict) -> str:
                 if "error" not in row and "error" not in base:
                     cell += (f"; {row['prefill_tokens_per_s'] / base['prefill_tokens_per_s']:.2f}x / "
                              f"{row['decode_tokens_per_s'] / base['decode_tokens_per_s']:.2f}x")
+                    if row.get("kv_cache_tokens") and base.get("kv_cache_tokens"):
+                        cell += f"; KV cache {row['kv_cache_tokens'] / base['kv_cache_tokens']:.2f}x tokens"
                     if variant is entry["variants"][0]:
-                        cell += (f" ({row['prefill_tokens_per_s']:.0f} / {row['decode_tokens_per_s']:.1f} tok/s)")
+                        cell += (f" ({row['prefill_tokens_per_s']:.0f} / {row['decode_tokens_per_s']:.1f} tok/s"
+                                 + (f", {row['kv_cache_tokens']:,} tokens" if row.get("kv_cache_tokens") else "")
+                                 + ")")
                 cells.append(cell)
             lines.append(f"| {variant['variant']} | " + " | ".join(cells) + " |")
         trip = entry["round_trip"]

@@ -58,7 +58,7 @@ def _engine_row(engine: str, request: dict, reference: list[list[int]], gaps: li
             "gaps_where_parted": [gaps[index][step] for index, step in
                                   zip([i for i, same in enumerate(matching) if not same], parted)],
             "tokenization_agrees": sum(a == b for a, b in zip(expected_ids, result["tokenized"])),
-            **_speed(result)}
+            "kv_cache_tokens": result.get("kv_cache_tokens"), **_speed(result)}
 
 
 def measure_variant(name: str, folder: Path, scratch: Path, args) -> dict:

@@ -36,7 +36,10 @@ def main() -> None:
     outputs = llm.generate(prompts, greedy, use_tqdm=False)
     whole = time.perf_counter() - started
     tokenizer = llm.get_tokenizer()
+    cache = llm.llm_engine.vllm_config.cache_config
     result = {
+        # tokens the KV cache holds in the memory vLLM reserved: more where layers keep no KV cache
+        "kv_cache_tokens": (cache.num_gpu_blocks or 0) * cache.block_size or None,
         "tokens": [list(output.outputs[0].token_ids) for output in outputs],
         "prefill_seconds": prefill, "prefill_tokens": sum(len(ids) for ids in request["prompts"]),
         "decode_seconds": max(whole - prefill, 1e-9), "decode_tokens": (request["new_tokens"] - 1) * len(prompts),

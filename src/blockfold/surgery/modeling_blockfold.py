@@ -36,7 +36,11 @@ from transformers import (
     Qwen3Config,
     Qwen3ForCausalLM,
 )
-from transformers.cache_utils import DummyLayer
+
+try:
+    from transformers.cache_utils import DummyLayer
+except ImportError:  # transformers < 5.20; vLLM's pinned one loads only the config classes from this file
+    DummyLayer = None
 
 LINEARIZED_FIELD = "blockfold_linearized"
 
@@ -49,6 +53,9 @@ def _release_cache_layer(cache, layer_idx: int) -> None:
     ``DummyLayer``, which the cache knows to skip. Done on the first call, before anything is cached.
     """
     layers = getattr(cache, "layers", None)
+    if DummyLayer is None:
+        raise RuntimeError("generating with a KV cache through this checkpoint's linearized layers needs "
+                           "transformers >= 5.20 (cache_utils.DummyLayer): upgrade transformers")
     if isinstance(layers, list) and layer_idx < len(layers) and not isinstance(layers[layer_idx], DummyLayer):
         layers[layer_idx] = DummyLayer()
 
