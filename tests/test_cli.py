@@ -337,10 +337,12 @@ def test_every_output_carries_a_model_card(capsys, tiny_folder, corpus, tmp_path
     assert f"Blocks {', '.join(map(str, manifest['removed_blocks']))} of 6 were removed" in card
     assert f"{manifest['perplexity']['compressed']['perplexity']:.2f} (this checkpoint)" in card
     assert 'from_pretrained("pruned")' in card and "trust_remote_code" not in card
+    assert "vllm serve pruned" in card and "blockfold export pruned pruned.gguf" in card
     card = (linearized / "README.md").read_text()
     layers = json.loads((linearized / MANIFEST_NAME).read_text())["replaced"]["layers"]
     assert f"attention sublayers of layers {', '.join(map(str, layers))}" in card and "keep no KV cache" in card
     assert 'from_pretrained("linearized", trust_remote_code=True)' in card
+    assert "plugins/vllm" in card and "vllm serve linearized --trust-remote-code" in card and "no GGUF export" in card
     assert "- Perplexity" not in card  # not measured at compression, not claimed
 
 

@@ -48,10 +48,11 @@ def compressed_smollm2(tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow
-def test_unchanged_builtin_round_trips_byte_for_byte(tmp_path):
-    source = _source("smollm2-135m")
-    out = export_gguf(resolve_model_path("smollm2-135m"), tmp_path / "same.gguf",
-                      quant="source")
+@pytest.mark.parametrize("model, quant", [("smollm2-135m", "source"), ("gemma3-270m", "q4_k_m")])
+def test_unchanged_builtin_round_trips_byte_for_byte(tmp_path, model, quant):
+    """Gemma's source is Q4_K_M, so ``--quant q4_k_m`` names its round trip."""
+    source = _source(model)
+    out = export_gguf(resolve_model_path(model), tmp_path / "same.gguf", quant=quant)
     original, exported = GGUFReader(source), GGUFReader(out)
     assert _fields(exported) == _fields(original)
     assert [t.name for t in exported.tensors] == [t.name for t in original.tensors]
@@ -156,6 +157,8 @@ def test_bad_exports_are_refused_with_the_fix(capsys, compressed_smollm2, tmp_pa
     model.save_pretrained(folder)
     tiny_tokenizer().save_pretrained(folder)
     assert "--quant f16" in refused(str(folder), str(tmp_path / "t.gguf"), "--quant", "source")
+    # a K-quant type that is not the source's own (SmolLM2's is Q4_1): the gguf package cannot write it
+    assert "llama-quantize" in refused(str(compressed_smollm2), str(tmp_path / "k.gguf"), "--quant", "q4_k_m")
     assert not list(tmp_path.glob("*.partial*")) and not (tmp_path / "t.gguf").exists()
 
 

@@ -259,9 +259,10 @@ def _add_export(sub) -> None:
     p.add_argument("model", help="folder written by compress, a HF folder, a .gguf file or a built-in name")
     p.add_argument("out", help="the .gguf file to write")
     p.add_argument("--format", choices=["gguf"], default="gguf", help="output format (llama.cpp's GGUF)")
-    p.add_argument("--quant", default="f16", choices=[*QUANT_TYPES, SOURCE],
-                   help="tensor type; 'source' keeps the source GGUF's type per tensor, copying every tensor "
-                        "compression left unchanged byte for byte (the round trip of a quantized GGUF)")
+    p.add_argument("--quant", default="f16", metavar="TYPE",
+                   help=f"tensor type: {', '.join(QUANT_TYPES)}, or '{SOURCE}': the source GGUF's type per tensor, "
+                        "copying every tensor compression left unchanged byte for byte (the round trip of a quantized "
+                        "GGUF; the source's own file type, e.g. q4_k_m for a Q4_K_M source, means the same)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing file")
 
 

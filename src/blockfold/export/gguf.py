@@ -92,10 +92,11 @@ def export_gguf(model: str | Path, out: str | Path, quant: str = "f16", overwrit
         raise BlockfoldError(f"export target {out} must end in .gguf (llama.cpp finds GGUF files by that suffix)")
     if out.exists() and not overwrite:
         raise BlockfoldError(f"{out} exists: pass --overwrite to replace it, or choose another file")
+    quant = _as_source_type(model, quant)
     if quant != SOURCE and quant not in QUANT_TYPES:
         raise BlockfoldError(f"--quant {quant!r} is not a type blockfold writes: choose one of "
-                             f"{', '.join([*QUANT_TYPES, SOURCE])} (K-quants: export f16 and run llama.cpp's "
-                             "llama-quantize, or start from a K-quant GGUF and export with --quant source)")
+                             f"{', '.join([*QUANT_TYPES, SOURCE])}; a K-quant type only as the round trip of a "
+                             "GGUF source of that type (for others, export f16 and run llama.cpp's llama-quantize)")
     plan = _plan(model, quant)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = out.with_name(f".{out.name}.partial-{os.getpid()}")
@@ -177,6 +178,20 @@ def _plan(model: Path, quant: str) -> _Plan:
     metadata += _layer_metadata(config, architecture, manifest)
     file_type = source.file_type if quant == SOURCE else _FILE_TYPES[QUANT_TYPES[quant]]
     return _Plan(model, config, architecture, metadata, tensors, source.path if source else None, file_type)
+
+
+def _as_source_type(model: Path, quant: str) -> str:
+    """A K-quant file type (``q4_k_m``, ...) names the round trip when it is the source GGUF's own type:
+    that is ``source``; other K-quant targets stay refused (the ``gguf`` package cannot write them)."""
+    if quant in QUANT_TYPES or quant == SOURCE:
+        return quant
+    found = _source_gguf(_manifest(model), model)
+    if found is None:
+        return quant
+    field = GGUFReader(found[0]).fields.get("general.file_type")
+    if field is not None and LlamaFileType(int(field.contents())).name.lower() == f"mostly_{quant.lower()}":
+        return SOURCE
+    return quant
 
 
 def _fits(qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> GGMLQuantizationType:

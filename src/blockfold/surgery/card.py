@@ -114,11 +114,20 @@ def model_card(manifest: dict, folder: Path, name: str, license_name: str | None
     if remote_code:
         lines += [f"The replaced layers need the modeling code shipped in this folder (`modeling_blockfold.py`, "
                   f"classes registered as `{architecture}`): load with `trust_remote_code=True`; blockfold itself is "
-                  "not needed. Serving engines (vLLM, llama.cpp) do not run this code.", ""]
+                  "not needed.", "",
+                  "vLLM serves it with blockfold's plugin installed in vLLM's environment (`pip install --no-deps "
+                  "plugins/vllm` from the blockfold repository; the replaced layers keep no KV cache there either):",
+                  "", "```bash", f"vllm serve {name} --trust-remote-code", "```", "",
+                  "No stock llama.cpp architecture has a layer whose attention is a linear map, so there is no GGUF "
+                  "export of it.", ""]
     else:
         lines += [f"A standard `{architecture}` checkpoint with fewer layers and no new parameters: plain transformers "
-                  "loads it, and engines that serve this architecture should too (blockfold has not yet checked "
-                  "vLLM or llama.cpp on it).", ""]
+                  "and vLLM load it as it is; for llama.cpp, export it to GGUF with blockfold (`--quant source` keeps "
+                  "a GGUF source's types and copies every tensor compression left unchanged):", "",
+                  "```bash", f"vllm serve {name}", f"blockfold export {name} {name.rstrip('/').split('/')[-1]}.gguf "
+                  "--quant q8_0", "```", "",
+                  "`scripts/serve-check.sh` in the blockfold repository checks an engine's greedy tokens against "
+                  "transformers'.", ""]
     lines += ["## License", "",
               (f"Derived from `{source}`, released under `{license_name}`; that license's terms apply to this "
                "checkpoint." if license_name else
