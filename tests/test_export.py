@@ -54,9 +54,14 @@ def test_unchanged_builtin_round_trips_byte_for_byte(tmp_path, model, quant):
     source = _source(model)
     out = export_gguf(resolve_model_path(model), tmp_path / "same.gguf", quant=quant)
     original, exported = GGUFReader(source), GGUFReader(out)
-    assert _fields(exported) == _fields(original)
-    assert [t.name for t in exported.tensors] == [t.name for t in original.tensors]
-    for a, b in zip(original.tensors, exported.tensors):
+    fields = _fields(exported)
+    if model == "gemma3-270m":  # written per layer, here the rhythm llama.cpp assumes (every sixth global)
+        assert fields.pop("gemma3.attention.sliding_window_pattern") == [i % 6 != 5 for i in range(18)]
+    assert fields == _fields(original)
+    mine = {t.name: t for t in exported.tensors}  # in the checkpoint's order, which llama.cpp does not mind
+    assert sorted(mine) == sorted(t.name for t in original.tensors)
+    for a in original.tensors:
+        b = mine[a.name]
         assert a.tensor_type == b.tensor_type and np.array_equal(np.asarray(a.data), np.asarray(b.data)), a.name
 
 
