@@ -422,8 +422,9 @@ def _engine_cell(row: dict) -> str:
     return text
 
 
-def render_serving(results: dict) -> str:
+def render_serving(parts: list[dict]) -> str:
     """Issue #14: greedy tokens of vLLM and llama.cpp against transformers, throughput, the GGUF round trip."""
+    results = {**parts[0], "models": [entry for part in parts for entry in part["models"]]}
     lines = [f"Greedy tokens equal to transformers' (float32) on {results['prompts']} prompts × "
              f"{results['new_tokens']} new tokens (where some differ: transformers' top-2 logit gap at the first "
              "differing token), and throughput relative to the original in the same engine "
@@ -456,14 +457,14 @@ def render_serving(results: dict) -> str:
                   f"`{trip['source_gguf']}` ({trip['source_mb']:.0f} MB) perplexity {trip['source_perplexity']:.2f}; "
                   f"{entry['variants'][1]['variant']} exported with `--quant source` ({trip['exported_mb']:.0f} MB) "
                   f"{trip['round_trip_perplexity']:.2f}.", ""]
-    return "\n".join([*lines, *_footer([results])])
+    return "\n".join([*lines, *_footer(parts)])
 
 
 #: section name → (results file or files, renderer); a section renders only where BENCHMARKS.md has its markers
 SECTIONS: dict[str, tuple[str | tuple[str, ...], Callable]] = {
     "scale": ("scale.json", render_scale),
     "scale-out": ("scale_out.json", render_scale_out),
-    "serving": ("serving.json", render_serving),
+    "serving": (("serving.json", "serving_gemma.json"), render_serving),
     "packing": ("calibration_packing.json", render_packing),
     "healing": (("healing.json", "healing_v3_through_norm.json"), render_healing),
     "gemma": (("gemma_sandwich.json", "gemma_placement.json"), render_gemma),

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from conftest import random_calibration, require_smollm2, shared_file, tiny_model, tiny_tokenizer
 from gguf import GGMLQuantizationType, GGUFReader, dequantize
 
@@ -20,7 +21,7 @@ import blockfold
 from blockfold.cli import main
 from blockfold.errors import BlockfoldError
 from blockfold.export import export_gguf
-from blockfold.export.gguf import ARCHITECTURES, _gguf_layout, _layer_metadata, _plan
+from blockfold.export.gguf import ARCHITECTURES, _below_float16, _gguf_layout, _layer_metadata, _plan
 from blockfold.models.checkpoint import CheckpointReader
 from blockfold.models.sources import resolve_model_path
 
@@ -174,3 +175,9 @@ def test_nbl_outputs_are_refused_with_the_reason(tmp_path):
     folder = result.save(tmp_path / "nbl")
     with pytest.raises(BlockfoldError, match="no llama.cpp architecture"):
         export_gguf(folder, tmp_path / "nbl.gguf")
+
+
+def test_weights_float16_would_flush_go_out_in_float32():
+    """Gemma's linearized-norm fold scales its down-projection by about 1e-10: float16, and the float16
+    block scales of every quantized type, would zero it (llama.cpp then gave 0/20 of transformers' tokens)."""
+    assert _below_float16(torch.full((8, 8), 3e-11)) and not _below_float16(torch.full((8, 8), 1e-3))

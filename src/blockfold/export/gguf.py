@@ -173,6 +173,8 @@ def _plan(model: Path, quant: str) -> _Plan:
             qtype = old if old in _AT_LEAST_8_BITS else Q.Q8_0
         else:
             qtype = QUANT_TYPES[quant]
+        if qtype != Q.F32 and _below_float16(reader.get(hf_name)):
+            qtype = Q.F32
         tensors.append(_Tensor(gguf_name, hf_name, None, _fits(qtype, shape), shape))
     metadata = source.metadata(architecture, kept) if source else _metadata_from_config(config, architecture, model)
     metadata += _layer_metadata(config, architecture, manifest)
@@ -192,6 +194,14 @@ def _as_source_type(model: Path, quant: str) -> str:
     if field is not None and LlamaFileType(int(field.contents())).name.lower() == f"mostly_{quant.lower()}":
         return SOURCE
     return quant
+
+
+def _below_float16(weight: torch.Tensor) -> bool:
+    """Whether float16 (the type of every 16-bit tensor and of every quantized block's scale) would
+    flush ``weight`` to zero: true of Gemma's linearized-norm fold, whose down-projection is scaled
+    by about 1e-10 so that the norm after it works in its linear range. Such tensors go out in
+    float32, whatever the requested type."""
+    return bool(weight.abs().max() < torch.finfo(torch.float16).tiny)
 
 
 def _fits(qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> GGMLQuantizationType:
