@@ -414,7 +414,8 @@ def render_scale_out(results: dict) -> str:
 
 def _engine_cell(row: dict) -> str:
     if "error" in row:
-        return "not served: " + row["error"].split(": ", 1)[-1][:120]
+        reason = row["error"].split(" ", 1)[-1]  # after the model's path
+        return "not served: " + reason.split(" (")[0][:100]
     text = f"{row['matching']}/{row['prompts']}"
     if row["gaps_where_parted"]:
         text += f" (parted at gaps {', '.join(f'{gap:.3f}' for gap in sorted(row['gaps_where_parted'])[:3])}"
