@@ -29,6 +29,7 @@ from gguf import (
     GGUFReader,
     GGUFValueType,
     GGUFWriter,
+    ReaderTensor,
     LlamaFileType,
     MODEL_ARCH,
     MODEL_ARCH_NAMES,
@@ -114,7 +115,7 @@ def export_gguf(model: str | Path, out: str | Path, quant: str = "f16", overwrit
 class _Tensor:
     gguf_name: str
     hf_name: str | None  # read from the checkpoint and converted, or
-    copied_from: str | None  # copied byte for byte from this tensor of the source GGUF
+    copied_from: ReaderTensor | None  # copied byte for byte from this tensor of the source GGUF
     qtype: GGMLQuantizationType
     shape: tuple[int, ...]  # logical shape, numpy order
 
@@ -126,7 +127,6 @@ class _Plan:
     architecture: Architecture
     metadata: list[tuple[str, object, GGUFValueType, GGUFValueType | None]]
     tensors: list[_Tensor]
-    source_gguf: Path | None
     file_type: LlamaFileType | None
 
 
@@ -164,7 +164,7 @@ def _plan(model: Path, quant: str) -> _Plan:
         shape = tuple(reader.shape(hf_name))
         copied = source.unchanged(hf_name, kept, reader) if (source and quant == SOURCE) else None
         if copied is not None:
-            tensors.append(_Tensor(gguf_name, None, copied.name, copied.tensor_type, shape))
+            tensors.append(_Tensor(gguf_name, None, copied, copied.tensor_type, shape))
             continue
         if len(shape) < 2:
             qtype = Q.F32
@@ -179,7 +179,7 @@ def _plan(model: Path, quant: str) -> _Plan:
     metadata = source.metadata(architecture, kept) if source else _metadata_from_config(config, architecture, model)
     metadata += _layer_metadata(config, architecture, manifest)
     file_type = source.file_type if quant == SOURCE else _FILE_TYPES[QUANT_TYPES[quant]]
-    return _Plan(model, config, architecture, metadata, tensors, source.path if source else None, file_type)
+    return _Plan(model, config, architecture, metadata, tensors, file_type)
 
 
 def _as_source_type(model: Path, quant: str) -> str:
@@ -325,12 +325,10 @@ def _write(plan: _Plan, path: Path) -> None:
         writer.add_key_value(name, value, main, sub_type=sub)
     if plan.file_type is not None:
         writer.add_file_type(plan.file_type)
-    source = plan.source_gguf.open("rb") if plan.source_gguf else None
     reader = CheckpointReader(plan.model)
-    source_tensors = {t.name: t for t in GGUFReader(plan.source_gguf).tensors} if plan.source_gguf else {}
     for tensor in plan.tensors:
         if tensor.copied_from is not None:
-            data = source_tensors[tensor.copied_from].data
+            data = tensor.copied_from.data
             writer.add_tensor_info(tensor.gguf_name, data.shape, data.dtype, data.nbytes, raw_dtype=tensor.qtype)
         else:
             dtype, nbytes = _encoded_size(tensor.qtype, tensor.shape)
@@ -343,14 +341,12 @@ def _write(plan: _Plan, path: Path) -> None:
         for tensor in tqdm(plan.tensors, desc=f"writing {path.name.removeprefix('.').split('.partial')[0]}",
                            unit="tensor"):
             if tensor.copied_from is not None:
-                writer.write_tensor_data(np.asarray(source_tensors[tensor.copied_from].data))
+                writer.write_tensor_data(np.asarray(tensor.copied_from.data))
             else:
                 writer.write_tensor_data(_encode(_gguf_layout(reader.get(tensor.hf_name), tensor.hf_name, plan),
                                                  tensor.qtype))
     finally:
         writer.close()
-        if source:
-            source.close()
 
 
 def _gguf_layout(weight: torch.Tensor, hf_name: str, plan: _Plan) -> np.ndarray:
