@@ -387,6 +387,11 @@ def _cache_agreement(pair: dict) -> str:
     return "differs from uncached (by how much was not recorded)"
 
 
+def _checkpoint_interval(resume: dict) -> str:
+    seconds = resume.get("checkpoint_seconds")  # recorded since the bench set it
+    return f" (`--checkpoint-seconds {seconds:g}`)" if seconds is not None else ""
+
+
 def render_scale_out(results: dict) -> str:
     """Issue #13: two torchrun processes against one, a killed run resumed, the statistics cache."""
     processes, resume = results["processes"], results["resume"]
@@ -400,8 +405,8 @@ def render_scale_out(results: dict) -> str:
              f"(pass {two['pass_seconds']:.1f} s) | {two['seconds'] / one['seconds']:.2f} | "
              f"{_weights_difference(processes['weights'])}, "
              f"{'same' if processes['same_selection'] else 'other'} span |",
-             f"| the same command after kill -9 once a checkpoint held {resume['killed']['pass_done_at_kill']:.0%} of "
-             f"the pass | {resume['resumed']['seconds']:.1f} s | {resume['resumed_over_fresh']:.2f} | "
+             f"| the same command{_checkpoint_interval(resume)} after kill -9 once a checkpoint held "
+             f"{resume['killed']['pass_done_at_kill']:.0%} of the pass | {resume['resumed']['seconds']:.1f} s | {resume['resumed_over_fresh']:.2f} | "
              f"{'identical weights' if resume['identical_weights'] else 'weights differ'} |"]
     for pair in results["cache"]:
         lines.append(f"| `{pair['first']}` then `{pair['second']}` through `--stats-cache` | "
