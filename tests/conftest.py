@@ -13,13 +13,21 @@ import pytest  # noqa: E402
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import (
+    CohereConfig,
     Gemma2Config,
     Gemma3TextConfig,
+    GPTNeoXConfig,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
+    OlmoeConfig,
+    Phi3Config,
+    PhiConfig,
     PreTrainedTokenizerFast,
     Qwen2Config,
+    Qwen2MoeConfig,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 from transformers import AutoModelForCausalLM
 
@@ -43,14 +51,33 @@ TINY_CONFIGS = {
     "gemma2": lambda: Gemma2Config(**COMMON, head_dim=8, sliding_window=8, query_pre_attn_scalar=8),
     "gemma3_text": lambda: Gemma3TextConfig(**COMMON, head_dim=8, sliding_window=8, query_pre_attn_scalar=8,
                                             layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2),
+    # fused qkv_proj and gate_up_proj
+    "phi3": lambda: Phi3Config(**COMMON, pad_token_id=0),
+    # parallel blocks: attention and MLP on the same input, added together
+    "cohere": lambda: CohereConfig(**COMMON, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    "phi": lambda: PhiConfig(**COMMON),
+    "gpt_neox": lambda: GPTNeoXConfig(**{k: v for k, v in COMMON.items() if k != "num_key_value_heads"},
+                                      use_parallel_residual=True),
 }
 ARCHITECTURES = sorted(TINY_CONFIGS)
+
+#: mixtures of experts (tests/test_moe.py): every block sparse (Mixtral, OLMoE), or sparse and dense
+#: blocks mixed by ``decoder_sparse_step`` and ``mlp_only_layers`` with a shared expert (Qwen2-MoE)
+MOE = dict(num_experts_per_tok=2, moe_intermediate_size=16)
+MOE_CONFIGS = {
+    "mixtral": lambda: MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2),
+    "olmoe": lambda: OlmoeConfig(**COMMON, num_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": lambda: Qwen2MoeConfig(**COMMON, **MOE, num_experts=4, shared_expert_intermediate_size=48,
+                                        decoder_sparse_step=2, mlp_only_layers=[4]),
+    "qwen3_moe": lambda: Qwen3MoeConfig(**COMMON, **MOE, head_dim=8, num_experts=4, mlp_only_layers=[0]),
+}
+MOE_ARCHITECTURES = sorted(MOE_CONFIGS)
 
 
 def tiny_model(arch: str, seed: int = 0):
     """A random-weight model whose norms have non-trivial scales (so folding errors would show)."""
     torch.manual_seed(seed)
-    config = TINY_CONFIGS[arch]()
+    config = {**TINY_CONFIGS, **MOE_CONFIGS}[arch]()
     config.tie_word_embeddings = False
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():

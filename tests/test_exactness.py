@@ -49,7 +49,7 @@ def test_folded_model_matches_explicit_transform(arch):
         diff = (model(ids).logits - reference(ids).logits).abs().max().item()
     assert diff <= 1e-4, f"{arch}: folded vs explicit max abs diff {diff}"
     assert model.config.num_hidden_layers == 4
-    assert [layer.self_attn.layer_idx for layer in adapter.layers(model)] == [0, 1, 2, 3]
+    assert [adapter.attention(layer).layer_idx for layer in adapter.layers(model)] == [0, 1, 2, 3]
 
 
 def _span_rows(model, adapter, batch, start, length):
@@ -59,7 +59,7 @@ def _span_rows(model, adapter, batch, start, length):
     hook = adapter.mlp_contribution_module(layers[start - 1]).register_forward_hook(
         lambda m, a, out: captured.__setitem__("x", out))
     with torch.no_grad():
-        hidden = model.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+        hidden = adapter.decoder(model)(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                              position_ids=batch.position_ids, output_hidden_states=True).hidden_states
     hook.remove()
     x = captured["x"].reshape(-1, 32).double()

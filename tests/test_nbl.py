@@ -127,6 +127,26 @@ def test_kv_cache_shrinks_exactly_to_the_kept_attention_layers(arch, tokenizer):
         assert kv_cache_bytes(model, 40) * 6 == sum(before) * 4  # full attention everywhere: exactly 4/6
 
 
+@pytest.mark.parametrize("replacement", ["linear", "zero"])
+def test_generation_with_a_kv_cache_through_a_replaced_first_layer_equals_generation_without(arch, replacement):
+    """Layer 0 is where the cache reads the sequence length from: a replaced layer 0 that left its
+    slot empty would restart the positions at every step (the cache reaches attention as
+    ``past_key_values``, ``cache`` or ``layer_past`` depending on the family and version)."""
+    from blockfold.surgery import replace_sublayers
+
+    model = tiny_model(arch)
+    handle = handle_of(model, tiny_tokenizer())
+    adapter = handle.adapter
+    entries = [adapter.attention_replacement(index, replacement) for index in (0, 3)]
+    generator = torch.Generator().manual_seed(5)
+    maps = {index: (torch.eye(32) + 0.1 * torch.randn(32, 32, generator=generator), torch.zeros(32)) for index in (0, 3)}
+    replace_sublayers(handle, entries, maps if replacement == "linear" else None)
+    ids = torch.tensor([[5, 17, 33, 8, 61, 20]])
+    cached = model.generate(ids, max_new_tokens=10, do_sample=False, use_cache=True, pad_token_id=0)
+    uncached = model.generate(ids, max_new_tokens=10, do_sample=False, use_cache=False, pad_token_id=0)
+    assert torch.equal(cached, uncached)
+
+
 def test_drop_attention_drops_the_attention_layers_that_do_nothing(tokenizer):
     model = tiny_model("llama")
     with torch.no_grad():

@@ -61,14 +61,16 @@ def linearized_scales(manifest: dict | None) -> dict[int, float]:
 
 def _trainable_lt(model: PreTrainedModel, blocks: list[int], scales: dict[int, float],
                   learning_rate: float) -> list[dict]:
-    """Parameter groups: each folded down-projection, at the learning rate times its fold's scale."""
+    """Parameter groups: each folded block's down-projections (every expert's in a mixture), at the learning
+    rate times its fold's scale."""
     adapter = get_adapter(model)
     model.requires_grad_(False)
     groups = []
     for block in blocks:
-        weight = adapter.down_proj(adapter.layers(model)[block]).weight
-        weight.requires_grad_(True)
-        groups.append({"params": [weight], "lr": learning_rate * scales.get(block, 1.0)})
+        weights = [getattr(p.module, p.weight) for p in adapter.mlp_output_projections(adapter.layers(model)[block])]
+        for weight in weights:
+            weight.requires_grad_(True)
+        groups.append({"params": weights, "lr": learning_rate * scales.get(block, 1.0)})
     return groups
 
 

@@ -93,9 +93,10 @@ def plan_for(spec: str, recipe: Recipe, execution: Execution, accelerator_memory
     layers = adapter.layers(model)
     num_layers, d = len(layers), adapter.hidden_size(model)
     element = dtype.itemsize
-    per_layer_params = sum(p.numel() for p in layers[0].parameters())
+    # the largest block (a mixture of experts may keep some blocks dense)
+    per_layer_params = max(sum(p.numel() for p in layer.parameters()) for layer in layers)
     total_params = sum(p.numel() for p in model.parameters())
-    outside = (total_params - per_layer_params * num_layers) * element
+    outside = (total_params - sum(p.numel() for layer in layers for p in layer.parameters())) * element
     weights = total_params * element
     memory = accelerator_memory if accelerator_memory is not None else free_memory(device) or 0
     pipeline = execution.pipeline

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from blockfold.adapters.base import DecoderAdapter
+from blockfold.adapters.base import DecoderAdapter, MixtureOfExpertsAdapter, Projection
 from blockfold.errors import BlockfoldError
 
 LLAMA_LIKE = DecoderAdapter(name="llama-like (pre-norm)", model_types=("llama", "mistral"))
@@ -22,10 +22,56 @@ GEMMA_SANDWICH = DecoderAdapter(
     norm_weight_offset=1.0,
 )
 
+PHI3 = DecoderAdapter(
+    # fused qkv_proj and gate_up_proj change nothing here: ReplaceMe folds into down_proj, NBL replaces
+    # the whole attention sublayer
+    name="phi-3 (pre-norm, fused projections)",
+    model_types=("phi3",),
+)
+
+# Parallel blocks: attention and MLP read the same residual input and are added to it together,
+# h + attn(n(h)) + mlp(n'(h)). What the MLP adds is still exactly its output projection's output, so
+# ReplaceMe's map folds into it as in a pre-norm block; the attention side of the residual is
+# h + attn, the block's output less the MLP's contribution, as everywhere (see docs/adapters.md).
+COHERE = DecoderAdapter(
+    name="cohere (parallel attention and MLP on one LayerNorm)",
+    model_types=("cohere",),
+    pre_mlp_norm_attr="input_layernorm",
+)
+
+PHI = DecoderAdapter(
+    name="phi (parallel attention and MLP on one LayerNorm)",
+    model_types=("phi",),
+    pre_mlp_norm_attr="input_layernorm",
+    down_proj_attr="fc2",
+    final_norm_attr="final_layernorm",
+)
+
+GPT_NEOX = DecoderAdapter(
+    name="gpt-neox (parallel residual, one LayerNorm per sublayer)",
+    model_types=("gpt_neox",),
+    decoder_attr="gpt_neox",
+    attention_attr="attention",
+    down_proj_attr="dense_4h_to_h",
+    final_norm_attr="final_layer_norm",
+)
+
+MIXTRAL_LIKE = MixtureOfExpertsAdapter(
+    name="mixture of experts (pre-norm, every block sparse)",
+    model_types=("mixtral", "olmoe"),
+)
+
+QWEN_MOE = MixtureOfExpertsAdapter(
+    name="qwen mixture of experts (pre-norm, shared expert, dense layers listed)",
+    model_types=("qwen2_moe", "qwen3_moe"),
+    layer_count_config_fields=("max_window_layers",),
+    layer_index_config_fields=("mlp_only_layers",),
+)
+
 #: model_type → adapter; a checkpoint with linearized sublayers ("blockfold_<base>") shares its base's adapter
 ADAPTERS: dict[str, DecoderAdapter] = {
     prefix + model_type: adapter
-    for adapter in (LLAMA_LIKE, QWEN, GEMMA_SANDWICH) for model_type in adapter.model_types
+    for adapter in (LLAMA_LIKE, QWEN, GEMMA_SANDWICH, PHI3, COHERE, PHI, GPT_NEOX, MIXTRAL_LIKE, QWEN_MOE) for model_type in adapter.model_types
     for prefix in ("", "blockfold_")
 }
 
@@ -46,4 +92,4 @@ def get_adapter(model_or_config) -> DecoderAdapter:
     return ADAPTERS[model_type]
 
 
-__all__ = ["ADAPTERS", "DecoderAdapter", "get_adapter", "supported_model_types"]
+__all__ = ["ADAPTERS", "DecoderAdapter", "MixtureOfExpertsAdapter", "Projection", "get_adapter", "supported_model_types"]

@@ -12,6 +12,23 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from blockfold.errors import BlockfoldError
+
+
+@dataclass(frozen=True)
+class Projection:
+    """A weight whose output is (part of) what a sublayer adds to the residual stream.
+
+    ``hidden_axis`` is the axis of its weight that indexes the hidden (output) dimension: -2 for an
+    ``nn.Linear`` weight (out, in) and for transformers' stacked experts (experts, out, in), -1 for
+    stacked experts stored (experts, in, out). A fold multiplies along that axis (and the bias's last).
+    """
+
+    module: nn.Module
+    weight: str = "weight"
+    bias: str | None = "bias"
+    hidden_axis: int = -2
+
 
 @dataclass(frozen=True)
 class DecoderAdapter:
@@ -42,6 +59,8 @@ class DecoderAdapter:
     per_layer_config_fields: tuple[str, ...] = field(default=("layer_types",))
     # Integer config fields that count layers from the bottom (e.g. Qwen's ``max_window_layers``).
     layer_count_config_fields: tuple[str, ...] = ()
+    # Config lists of layer indices (e.g. Qwen-MoE's ``mlp_only_layers``), never mistaken for per-layer lists.
+    layer_index_config_fields: tuple[str, ...] = ()
 
     # -- locating modules -------------------------------------------------------------------
     def decoder(self, model: nn.Module) -> nn.Module:
@@ -61,6 +80,19 @@ class DecoderAdapter:
 
     def down_proj(self, layer: nn.Module) -> nn.Linear:
         return getattr(self.mlp(layer), self.down_proj_attr)
+
+    def mlp_output_projections(self, layer: nn.Module) -> list[Projection]:
+        """Every weight whose output the MLP half adds to the residual stream; a map on the MLP's
+        contribution folds into all of them (one here; every expert's in a mixture of experts)."""
+        return [Projection(self.down_proj(layer))]
+
+    def is_sparse(self, layer: nn.Module) -> bool:
+        """True when the block's MLP is a mixture of experts."""
+        return False
+
+    def renumber_config(self, config, keep: list[int], sparse: list[bool]) -> None:
+        """Fix the config fields that say which layer is which kind, after only ``keep`` (old
+        indices, in order) remain; ``sparse`` says which old layers are mixtures of experts."""
 
     def mlp_norm(self, layer: nn.Module) -> nn.Module | None:
         """The norm between the down-projection and the residual add, if the block has one."""
@@ -113,3 +145,52 @@ class DecoderAdapter:
         norms = [self.input_norm_attr, self.post_attention_norm, self.pre_mlp_norm_attr, self.post_mlp_norm]
         return {"layer": index, "module": self.attention_attr, "replacement": "linear",
                 "identity": [name for name in norms if name], "zero": [self.mlp_attr]}
+
+
+@dataclass(frozen=True)
+class MixtureOfExpertsAdapter(DecoderAdapter):
+    """Pre-norm decoders whose MLP is a mixture of experts, as transformers 5 builds them: the
+    experts' down-projections stacked in one (experts, hidden, intermediate) parameter, scaled by
+    per-token routing weights and summed, plus an optional shared expert scaled by a per-token gate.
+
+    Every term of the MoE output is linear in its expert's down-projection output and the weights are
+    scalars per token, so ``T(Σ g_e E_e(x)) = Σ g_e (T E_e(x))``: a map on the MLP contribution folds
+    exactly into every expert's down-projection and the shared expert's. Layers listed as dense
+    (Qwen-MoE's ``mlp_only_layers``, ``decoder_sparse_step``) keep a plain MLP and fold as one.
+    """
+
+    experts_attr: str = "experts"
+    shared_expert_attrs: tuple[str, ...] = ("shared_expert", "shared_experts")
+    #: the stacked experts' weight and its layout (transformers 5: (experts, hidden, intermediate))
+    experts_down_proj_attr: str = "down_proj"
+    experts_hidden_axis: int = -2
+
+    def is_sparse(self, layer: nn.Module) -> bool:
+        return getattr(self.mlp(layer), self.experts_attr, None) is not None
+
+    def mlp_output_projections(self, layer: nn.Module) -> list[Projection]:
+        mlp = self.mlp(layer)
+        if not self.is_sparse(layer):
+            return [Projection(getattr(mlp, self.down_proj_attr))]
+        experts = getattr(mlp, self.experts_attr)
+        bias = f"{self.experts_down_proj_attr}_bias"
+        projections = [Projection(experts, self.experts_down_proj_attr, bias if hasattr(experts, bias) else None,
+                                  self.experts_hidden_axis)]
+        for name in self.shared_expert_attrs:
+            shared = getattr(mlp, name, None)
+            if shared is not None:
+                projections.append(Projection(getattr(shared, self.down_proj_attr)))
+        return projections
+
+    def down_proj(self, layer: nn.Module) -> nn.Linear:
+        if self.is_sparse(layer):
+            raise BlockfoldError(f"{self.name}: a mixture-of-experts block has no single down-projection; "
+                                 "this operation does not support such blocks yet")
+        return super().down_proj(layer)
+
+    def renumber_config(self, config, keep: list[int], sparse: list[bool]) -> None:
+        """Qwen-MoE picks dense layers by ``mlp_only_layers`` and every ``decoder_sparse_step``-th
+        layer: the kept layers' kinds are restated as an explicit list with step 1."""
+        if hasattr(config, "mlp_only_layers") and hasattr(config, "decoder_sparse_step"):
+            config.mlp_only_layers = [new for new, old in enumerate(keep) if not sparse[old]]
+            config.decoder_sparse_step = 1

@@ -34,7 +34,7 @@ from blockfold.select import best_span, best_spans, by_start, span_criteria, spl
 from blockfold.settings import ReplaceMe
 from blockfold.stats import NormalEquations, SpanRows, SpanSample, SpanStatistics, SpanTable
 from blockfold.stats.similarity import StreamMoments, StreamSimilarity
-from blockfold.surgery import fold_into_down_proj, fold_through_linearized_norm, remove_blocks
+from blockfold.surgery import fold_into_mlp_output, fold_through_linearized_norm, remove_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -293,12 +293,12 @@ def _finite(losses: dict[str, float]) -> dict[str, float]:
 
 def _fold(job: Job, block: int, fitted: FittedMap) -> None:
     layer = job.handle.layers()[block]
-    down_proj = job.adapter.down_proj(layer)
     if fitted.regime == "linearized-norm":
         fitted.info["linearized_norm"]["down_proj_scale"] = fold_through_linearized_norm(
-            job.handle, down_proj, job.adapter.mlp_norm(layer), fitted.transform, fitted.output_max_rms)
+            job.handle, job.adapter.down_proj(layer), job.adapter.mlp_norm(layer), fitted.transform,
+            fitted.output_max_rms)
     elif fitted.info.get("estimator") != "identity":
-        fold_into_down_proj(job.handle, down_proj, fitted.transform)
+        fold_into_mlp_output(job.handle, layer, fitted.transform)
 
 
 def _replace_span(job: Job, start: int, length: int, equations: NormalEquations) -> dict:

@@ -31,6 +31,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from blockfold.adapters import DecoderAdapter, get_adapter
 from blockfold.errors import BlockfoldError
 from blockfold.models.checkpoint import CheckpointReader
+from blockfold.models.naming import load_stored, stored_tensors
 
 Edit = Callable[[torch.Tensor], torch.Tensor]
 
@@ -41,6 +42,7 @@ class WeightStore:
     keyed by the module that holds it, so blocks keep their provenance when they are renumbered."""
 
     reader: CheckpointReader | None
+    #: module → attribute → the checkpoint tensor's name, or a ``Stored`` for one kept in several tensors
     sources: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
     edits: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
     owned: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
@@ -60,7 +62,7 @@ class WeightStore:
                 if param is None:
                     continue
                 names = aliases[id(param)]
-                found = next((name for name in names if name in reader), None)
+                found = next((name for name in names if name in reader), None) or Stored.of(model, names[0], param, reader)
                 if found is None:
                     raise BlockfoldError(
                         f"checkpoint {reader.folder} has no tensor for {names[0]}: it is not a checkpoint of this "
@@ -69,7 +71,7 @@ class WeightStore:
                 store.sources.setdefault(module, {})[attr] = found
         return store
 
-    def source_name(self, owner: nn.Module, attr: str) -> str | None:
+    def source_name(self, owner: nn.Module, attr: str) -> "str | Stored | None":
         return self.sources.get(owner, {}).get(attr)
 
     def value(self, owner: nn.Module, attr: str) -> torch.Tensor | None:
@@ -81,13 +83,37 @@ class WeightStore:
             name = self.source_name(owner, attr)
             if name is None or self.reader is None:
                 return None
-            base = self.reader.get(name)
+            base = name.read(self.reader) if isinstance(name, Stored) else self.reader.get(name)
         edits = self.edits.get(owner, {}).get(attr, ())
         if edits:
             base = base.double()
             for edit in edits:
                 base = edit(base)
         return base
+
+
+@dataclass(frozen=True)
+class Stored:
+    """A parameter the checkpoint keeps as several tensors (one per expert, say), rebuilt as
+    transformers rebuilds it on load (``models/naming.py``)."""
+
+    parameter: str
+    tensors: tuple[str, ...]
+    model: weakref.ref
+
+    @classmethod
+    def of(cls, model: nn.Module, parameter: str, param: torch.Tensor, reader: CheckpointReader) -> "Stored | None":
+        """The stored form of ``parameter`` when ``reader`` holds all of it, else None."""
+        stored = stored_tensors(model, parameter, torch.empty(param.shape, dtype=param.dtype, device="meta"))
+        if parameter in stored or not all(name in reader for name in stored):
+            return None
+        return cls(parameter, tuple(stored), weakref.ref(model))
+
+    def read(self, reader: CheckpointReader) -> torch.Tensor:
+        return load_stored(self.model(), {name: reader.get(name) for name in self.tensors})[self.parameter]
+
+    def __str__(self) -> str:
+        return f"{self.parameter} from {len(self.tensors)} tensors ({self.tensors[0]}, ...)"
 
 
 def _is_placeholder(tensor: torch.Tensor) -> bool:

@@ -5,15 +5,32 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from blockfold.adapters import Projection
 from blockfold.models.handle import ModelHandle
+
+
+def fold_into_projection(handle: ModelHandle, projection: Projection, transform: torch.Tensor) -> None:
+    """Make ``projection`` output ``y @ T`` where it output ``y``, exactly, in float64: ``W ← Tᵀ W``
+    along a hidden axis of -2 (``nn.Linear``, stacked experts), ``W ← W T`` along -1, ``b ← b T``."""
+    t = transform.detach().double()
+    if projection.hidden_axis == -2:
+        handle.transform(projection.module, projection.weight, lambda weight: t.to(weight.device).T @ weight)
+    else:
+        handle.transform(projection.module, projection.weight, lambda weight: weight @ t.to(weight.device))
+    if projection.bias is not None and getattr(projection.module, projection.bias, None) is not None:
+        handle.transform(projection.module, projection.bias, lambda bias: bias @ t.to(bias.device))
+
+
+def fold_into_mlp_output(handle: ModelHandle, layer: nn.Module, transform: torch.Tensor) -> None:
+    """Fold a map on what ``layer``'s MLP adds to the residual stream into every weight that
+    produces it (the down-projection; every expert's and the shared expert's in a mixture)."""
+    for projection in handle.adapter.mlp_output_projections(layer):
+        fold_into_projection(handle, projection, transform)
 
 
 def fold_into_down_proj(handle: ModelHandle, down_proj: nn.Linear, transform: torch.Tensor) -> None:
     """Make ``down_proj`` compute ``down_proj(a) @ T``: ``W ← Tᵀ W`` and ``b ← b T``, exactly, in float64."""
-    t = transform.detach().double()
-    handle.transform(down_proj, "weight", lambda weight: t.to(weight.device).T @ weight)
-    if down_proj.bias is not None:
-        handle.transform(down_proj, "bias", lambda bias: bias @ t.to(bias.device))
+    fold_into_projection(handle, Projection(down_proj), transform)
 
 
 #: how far below the norm's epsilon the folded activations stay, in RMS: the linearisation's

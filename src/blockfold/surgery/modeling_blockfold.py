@@ -23,18 +23,34 @@ from __future__ import annotations
 import torch
 from torch import nn
 from transformers import (
+    CohereConfig,
+    CohereForCausalLM,
     Gemma2Config,
     Gemma2ForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
+    GPTNeoXConfig,
+    GPTNeoXForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    OlmoeConfig,
+    OlmoeForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
+    PhiConfig,
+    PhiForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 try:
@@ -45,6 +61,15 @@ except ImportError:  # transformers < 5.20; vLLM's pinned one loads only the con
 LINEARIZED_FIELD = "blockfold_linearized"
 
 
+def _cache_of(past_key_values, kwargs: dict):
+    """The KV cache an attention sublayer is handed, under whichever name its family passes it
+    (``past_key_values``; ``cache`` in transformers >= 5.22; ``layer_past`` in GPT-NeoX)."""
+    for candidate in (past_key_values, kwargs.get("cache"), kwargs.get("layer_past")):
+        if candidate is not None:
+            return candidate
+    return None
+
+
 def _release_cache_layer(cache, layer_idx: int) -> None:
     """Swap this layer's cache slot for one that stores nothing (transformers' ``DummyLayer``).
 
@@ -52,6 +77,8 @@ def _release_cache_layer(cache, layer_idx: int) -> None:
     memory, but the cache's sequence length is read from slot 0, so an unused slot must be a
     ``DummyLayer``, which the cache knows to skip. Done on the first call, before anything is cached.
     """
+    if cache is None:
+        return
     layers = getattr(cache, "layers", None)
     if DummyLayer is None:
         raise RuntimeError("generating with a KV cache through this checkpoint's linearized layers needs "
@@ -69,8 +96,7 @@ class LinearAttention(nn.Module):
         self.linear = nn.Linear(hidden_size, hidden_size, bias=True)
 
     def forward(self, hidden_states: torch.Tensor, *args, past_key_values=None, **kwargs):
-        if past_key_values is not None:
-            _release_cache_layer(past_key_values, self.layer_idx)
+        _release_cache_layer(_cache_of(past_key_values, kwargs), self.layer_idx)
         return self.linear(hidden_states), None
 
 
@@ -82,8 +108,7 @@ class ZeroAttention(nn.Module):
         self.layer_idx = layer_idx
 
     def forward(self, hidden_states: torch.Tensor, *args, past_key_values=None, **kwargs):
-        if past_key_values is not None:
-            _release_cache_layer(past_key_values, self.layer_idx)
+        _release_cache_layer(_cache_of(past_key_values, kwargs), self.layer_idx)
         return torch.zeros_like(hidden_states), None
 
 
@@ -115,7 +140,7 @@ class _Linearized:
 
     def __init__(self, config):
         super().__init__(config)
-        layers = self.model.layers
+        layers = self.base_model.layers
         for entry in getattr(config, LINEARIZED_FIELD, None) or ():
             linearize_layer(layers[entry["layer"]], entry, config.hidden_size)
 
@@ -168,6 +193,70 @@ class BlockfoldGemma3ForCausalLM(_Linearized, Gemma3ForCausalLM):
     config_class = BlockfoldGemma3TextConfig
 
 
+class BlockfoldMixtralConfig(MixtralConfig):
+    model_type = "blockfold_mixtral"
+
+
+class BlockfoldMixtralForCausalLM(_Linearized, MixtralForCausalLM):
+    config_class = BlockfoldMixtralConfig
+
+
+class BlockfoldOlmoeConfig(OlmoeConfig):
+    model_type = "blockfold_olmoe"
+
+
+class BlockfoldOlmoeForCausalLM(_Linearized, OlmoeForCausalLM):
+    config_class = BlockfoldOlmoeConfig
+
+
+class BlockfoldQwen2MoeConfig(Qwen2MoeConfig):
+    model_type = "blockfold_qwen2_moe"
+
+
+class BlockfoldQwen2MoeForCausalLM(_Linearized, Qwen2MoeForCausalLM):
+    config_class = BlockfoldQwen2MoeConfig
+
+
+class BlockfoldQwen3MoeConfig(Qwen3MoeConfig):
+    model_type = "blockfold_qwen3_moe"
+
+
+class BlockfoldQwen3MoeForCausalLM(_Linearized, Qwen3MoeForCausalLM):
+    config_class = BlockfoldQwen3MoeConfig
+
+
+class BlockfoldPhi3Config(Phi3Config):
+    model_type = "blockfold_phi3"
+
+
+class BlockfoldPhi3ForCausalLM(_Linearized, Phi3ForCausalLM):
+    config_class = BlockfoldPhi3Config
+
+
+class BlockfoldCohereConfig(CohereConfig):
+    model_type = "blockfold_cohere"
+
+
+class BlockfoldCohereForCausalLM(_Linearized, CohereForCausalLM):
+    config_class = BlockfoldCohereConfig
+
+
+class BlockfoldPhiConfig(PhiConfig):
+    model_type = "blockfold_phi"
+
+
+class BlockfoldPhiForCausalLM(_Linearized, PhiForCausalLM):
+    config_class = BlockfoldPhiConfig
+
+
+class BlockfoldGPTNeoXConfig(GPTNeoXConfig):
+    model_type = "blockfold_gpt_neox"
+
+
+class BlockfoldGPTNeoXForCausalLM(_Linearized, GPTNeoXForCausalLM):
+    config_class = BlockfoldGPTNeoXConfig
+
+
 #: base ``model_type`` → (config class, causal-LM class) of its linearized form
 LINEARIZED_CLASSES = {
     "llama": (BlockfoldLlamaConfig, BlockfoldLlamaForCausalLM),
@@ -176,6 +265,14 @@ LINEARIZED_CLASSES = {
     "qwen3": (BlockfoldQwen3Config, BlockfoldQwen3ForCausalLM),
     "gemma2": (BlockfoldGemma2Config, BlockfoldGemma2ForCausalLM),
     "gemma3_text": (BlockfoldGemma3TextConfig, BlockfoldGemma3ForCausalLM),
+    "phi3": (BlockfoldPhi3Config, BlockfoldPhi3ForCausalLM),
+    "cohere": (BlockfoldCohereConfig, BlockfoldCohereForCausalLM),
+    "phi": (BlockfoldPhiConfig, BlockfoldPhiForCausalLM),
+    "gpt_neox": (BlockfoldGPTNeoXConfig, BlockfoldGPTNeoXForCausalLM),
+    "mixtral": (BlockfoldMixtralConfig, BlockfoldMixtralForCausalLM),
+    "olmoe": (BlockfoldOlmoeConfig, BlockfoldOlmoeForCausalLM),
+    "qwen2_moe": (BlockfoldQwen2MoeConfig, BlockfoldQwen2MoeForCausalLM),
+    "qwen3_moe": (BlockfoldQwen3MoeConfig, BlockfoldQwen3MoeForCausalLM),
 }
 
 for _config_class, _model_class in LINEARIZED_CLASSES.values():

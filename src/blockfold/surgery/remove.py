@@ -14,7 +14,7 @@ def _per_layer_fields(config, adapter: DecoderAdapter, num_layers: int) -> list[
     fields = [f for f in adapter.per_layer_config_fields if getattr(config, f, None) is not None]
     for name, value in vars(config).items():
         if (isinstance(value, (list, tuple)) and len(value) == num_layers and name not in fields
-                and name != LINEARIZED_FIELD):
+                and name != LINEARIZED_FIELD and name not in adapter.layer_index_config_fields):
             fields.append(name)
     return fields
 
@@ -26,6 +26,7 @@ def remove_blocks(model: nn.Module, adapter: DecoderAdapter, blocks: list[int]) 
     if any(b < 0 or b >= num_layers for b in blocks) or len(set(blocks)) >= num_layers:
         raise BlockfoldError(f"cannot remove blocks {blocks} from a model with {num_layers} blocks")
     keep = [i for i in range(num_layers) if i not in set(blocks)]
+    sparse = [adapter.is_sparse(layer) for layer in layers]
     config = model.config
     for name in _per_layer_fields(config, adapter, num_layers):
         values = getattr(config, name)
@@ -34,6 +35,7 @@ def remove_blocks(model: nn.Module, adapter: DecoderAdapter, blocks: list[int]) 
         bound = getattr(config, name, None)
         if isinstance(bound, int):
             setattr(config, name, sum(1 for i in keep if i < bound))
+    adapter.renumber_config(config, keep, sparse)
     renumber_linearized(config, keep)
     setattr(adapter.decoder(model), adapter.layers_attr, nn.ModuleList(layers[i] for i in keep))
     for new_index, layer in enumerate(adapter.layers(model)):

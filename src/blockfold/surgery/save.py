@@ -22,6 +22,7 @@ from transformers.utils import GENERATION_CONFIG_NAME
 from blockfold.errors import BlockfoldError
 from blockfold.models.checkpoint import DEFAULT_SHARD_BYTES, ShardWriter
 from blockfold.models.handle import ModelHandle
+from blockfold.models.naming import stored_tensors
 from blockfold.surgery.card import CARD_NAME, model_card, source_license
 
 MANIFEST_NAME = "blockfold_manifest.json"
@@ -106,12 +107,18 @@ def write_checkpoint(handle: ModelHandle, folder: Path, save_dtype: torch.dtype 
     model = handle.model
     save_dtype = save_dtype or handle.source_dtype()
     entries = _saved_entries(model)
-    layout = [(name, tuple(tensor.shape), save_dtype if tensor.is_floating_point() else tensor.dtype)
-              for name, _, _, tensor in entries]
+
+    def dtype_of(tensor: torch.Tensor) -> torch.dtype:
+        return save_dtype if tensor.is_floating_point() else tensor.dtype
+
+    # each parameter under the names save_pretrained writes it (a mixture's experts one tensor each)
+    layout = [(stored, tuple(piece.shape), dtype_of(tensor)) for name, _, _, tensor in entries
+              for stored, piece in stored_tensors(model, name, tensor.to("meta")).items()]
     writer = ShardWriter(folder, max_shard_bytes, layout)
     for name, module, attr, tensor in tqdm(entries, desc="writing checkpoint", unit="tensor", leave=False):
         value = handle.saved_value(module, attr) if attr in module._parameters else tensor
-        writer.add(name, value.to(save_dtype) if value.is_floating_point() else value)
+        for stored, piece in stored_tensors(model, name, value.to(dtype_of(value))).items():
+            writer.add(stored, piece.contiguous())
     writer.close()
     config = copy.deepcopy(model.config)
     config.dtype = str(save_dtype).removeprefix("torch.")

@@ -1,0 +1,194 @@
+"""Mixtures of experts (issue #15) on tiny random-weight models of Mixtral, OLMoE, Qwen2-MoE and
+Qwen3-MoE: the fold into every expert is exact, removal keeps each layer's kind (sparse or dense) in
+the config, checkpoints are written as save_pretrained writes them (one tensor per expert) and read
+back layer by layer, and the outputs reload without blockfold and generate with a KV cache."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import MOE_ARCHITECTURES, handle_of, random_calibration, stream, tiny_model, tiny_tokenizer
+from safetensors import safe_open
+
+import blockfold
+from blockfold.adapters import get_adapter
+from blockfold.models import load_model
+from blockfold.stats import SpanStatistics
+from blockfold.surgery import fold_into_mlp_output, remove_blocks
+
+IDS = torch.randint(4, 96, (2, 20), generator=torch.Generator().manual_seed(7))
+
+
+@pytest.fixture(params=MOE_ARCHITECTURES)
+def moe_arch(request) -> str:
+    return request.param
+
+
+class _ExplicitMap(torch.nn.Module):
+    """The MLP (all experts, routing and shared expert) followed by an explicit linear map."""
+
+    def __init__(self, mlp, transform):
+        super().__init__()
+        self.mlp, self.transform = mlp, transform.float()
+
+    def forward(self, hidden):
+        return self.mlp(hidden) @ self.transform
+
+
+def _kinds(model) -> list[bool]:
+    adapter = get_adapter(model)
+    return [adapter.is_sparse(layer) for layer in adapter.layers(model)]
+
+
+def _logits(model, ids=IDS):
+    with torch.no_grad():
+        return model(ids, use_cache=False).logits
+
+
+@pytest.mark.parametrize("block", [1, 2])
+def test_fold_into_every_expert_equals_the_explicit_map(moe_arch, block):
+    model = tiny_model(moe_arch)
+    adapter = get_adapter(model)
+    torch.manual_seed(3)
+    transform = torch.eye(32, dtype=torch.float64) + 0.2 * torch.randn(32, 32, dtype=torch.float64)
+    span = [block + 1, block + 2]
+
+    reference = copy.deepcopy(model)
+    layer = adapter.layers(reference)[block]
+    setattr(layer, adapter.mlp_attr, _ExplicitMap(adapter.mlp(layer), transform))
+    remove_blocks(reference, adapter, span)
+
+    fold_into_mlp_output(handle_of(model), adapter.layers(model)[block], transform)
+    remove_blocks(model, adapter, span)
+
+    difference = (_logits(model) - _logits(reference)).abs().max().item()
+    assert difference <= 1e-4, f"{moe_arch}: folded vs explicit max abs diff {difference}"
+    projections = adapter.mlp_output_projections(adapter.layers(model)[block])
+    if adapter.is_sparse(adapter.layers(model)[block]):
+        assert projections[0].module is adapter.mlp(adapter.layers(model)[block]).experts
+        assert len(projections) == (2 if moe_arch == "qwen2_moe" else 1)  # the shared expert too
+
+
+def test_the_tiny_models_mix_sparse_and_dense_layers_where_the_family_does():
+    assert _kinds(tiny_model("mixtral")) == [True] * 6
+    assert _kinds(tiny_model("qwen2_moe")) == [False, True, False, True, False, True]
+    assert _kinds(tiny_model("qwen3_moe")) == [False, True, True, True, True, True]
+
+
+def test_removal_keeps_every_kept_layers_kind_in_the_saved_config(tmp_path):
+    model = tiny_model("qwen2_moe")  # dense 0, 2, 4 (by decoder_sparse_step 2 and mlp_only_layers)
+    before = _kinds(model)
+    remove_blocks(model, get_adapter(model), [1, 2])
+    assert _kinds(model) == [before[i] for i in (0, 3, 4, 5)]
+    model.save_pretrained(tmp_path / "out")
+    reloaded = type(model).from_pretrained(tmp_path / "out").eval()
+    assert _kinds(reloaded) == _kinds(model)
+    assert reloaded.config.mlp_only_layers == [0, 2] and reloaded.config.decoder_sparse_step == 1
+    assert torch.equal(_logits(reloaded), _logits(model))
+
+
+def _source_folder(arch: str, tmp_path):
+    folder = tmp_path / f"tiny-{arch}"
+    tiny_model(arch).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def _tensor_names(folder) -> set[str]:
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as handle:
+        return set(handle.keys())
+
+
+def test_layer_by_layer_reads_the_experts_as_save_pretrained_stored_them(moe_arch, tmp_path):
+    folder = _source_folder(moe_arch, tmp_path)
+    assert not any(name.endswith("experts.down_proj") for name in _tensor_names(folder)), "one tensor per expert"
+    sums = {}
+    for pipeline in ("whole", "sequential"):
+        handle = load_model(str(folder), pipeline=pipeline)
+        statistics = SpanStatistics(6, 2, 2)
+        from blockfold.pipelines import Runner
+        from blockfold.runtime import Execution
+
+        Runner(handle, Execution(pipeline=pipeline)).run(random_calibration(), [statistics])
+        sums[pipeline] = statistics.finalize().normal_equations
+    for start, equations in sums["whole"].items():
+        other = sums["sequential"][start]
+        assert torch.allclose(equations.xtx, other.xtx, rtol=1e-10, atol=1e-10)
+        assert torch.allclose(equations.xty, other.xty, rtol=1e-10, atol=1e-10)
+
+
+RELOAD_SCRIPT = r"""
+import json, sys, torch
+sys.modules["blockfold"] = None  # blockfold must not be importable here
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32, trust_remote_code=True).eval()
+ids = torch.tensor(json.loads(sys.argv[2]))
+cached = model.generate(ids, max_new_tokens=10, do_sample=False, use_cache=True, pad_token_id=0)
+uncached = model.generate(ids, max_new_tokens=10, do_sample=False, use_cache=False, pad_token_id=0)
+assert torch.equal(cached, uncached), "the KV cache changed the greedy tokens"
+print(json.dumps(cached.tolist()))
+"""
+
+
+def _generate_without_blockfold(folder, ids, tmp_path) -> list:
+    """Greedy tokens (with a KV cache, checked against none) of a saved checkpoint in a process that
+    cannot import blockfold, started in another folder (shipped code must not read the working one)."""
+    workdir = tmp_path / "elsewhere"
+    workdir.mkdir(exist_ok=True)
+    env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules")}
+    completed = subprocess.run([sys.executable, "-c", RELOAD_SCRIPT, str(folder), json.dumps(ids)], cwd=workdir,
+                               env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    return json.loads(completed.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+def test_cli_compresses_a_mixture_of_experts_end_to_end(capsys, arch, tmp_path):
+    from blockfold.cli import main
+
+    folder = _source_folder(arch, tmp_path)
+    corpus = tmp_path / "corpus.txt"
+    words = torch.randint(0, 90, (3000,), generator=torch.Generator().manual_seed(0))
+    corpus.write_text(" ".join(f"w{int(w)}" for w in words))
+    out = tmp_path / "out"
+    code = main(["compress", "--model", str(folder), "--calib", str(corpus), "--out", str(out), "--num-seqs", "8",
+                 "--seq-len", "32", "--blocks", "2"])
+    assert code == 0, capsys.readouterr().err
+    manifest = json.loads((out / "blockfold_manifest.json").read_text())
+    assert len(manifest["removed_blocks"]) == 2
+    names = _tensor_names(out)
+    assert names <= _tensor_names(folder), "written under the names save_pretrained uses"
+    assert not any(name.endswith("experts.down_proj") for name in names)
+    config = json.loads((out / "config.json").read_text())
+    assert config["num_hidden_layers"] == 4
+
+    # the same compression streamed layer by layer writes the same tensors
+    streamed = tmp_path / "streamed"
+    code = main(["compress", "--model", str(folder), "--calib", str(corpus), "--out", str(streamed),
+                 "--num-seqs", "8", "--seq-len", "32", "--blocks", "2", "--pipeline", "sequential"])
+    assert code == 0, capsys.readouterr().err
+    with safe_open(str(out / "model.safetensors"), "pt") as a, safe_open(str(streamed / "model.safetensors"), "pt") as b:
+        for name in names:
+            assert torch.allclose(a.get_tensor(name), b.get_tensor(name), rtol=1e-5, atol=1e-6), name
+
+    ids = [[5, 17, 33, 8, 61, 20]]
+    model = type(tiny_model(arch)).from_pretrained(out).eval()
+    expected = model.generate(torch.tensor(ids), max_new_tokens=10, do_sample=False, use_cache=True, pad_token_id=0)
+    assert _generate_without_blockfold(out, ids, tmp_path) == expected.tolist()
+
+
+def test_nbl_linearizes_a_mixtures_attention_and_reloads_without_blockfold(moe_arch, tmp_path):
+    model = tiny_model(moe_arch)
+    result = blockfold.compress(model, tiny_tokenizer(), {"method": "nbl", "attention_layers": 2}, calibration=random_calibration())
+    out = result.save(tmp_path / "out")
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == f"blockfold_{moe_arch}" and len(config["blockfold_linearized"]) == 2
+    ids = [[5, 17, 33, 8, 61, 20]]
+    expected = model.generate(torch.tensor(ids), max_new_tokens=10, do_sample=False, use_cache=True, pad_token_id=0)
+    assert _generate_without_blockfold(out, ids, tmp_path) == expected.tolist()
