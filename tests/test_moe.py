@@ -192,3 +192,20 @@ def test_nbl_linearizes_a_mixtures_attention_and_reloads_without_blockfold(moe_a
     ids = [[5, 17, 33, 8, 61, 20]]
     expected = model.generate(torch.tensor(ids), max_new_tokens=10, do_sample=False, use_cache=True, pad_token_id=0)
     assert _generate_without_blockfold(out, ids, tmp_path) == expected.tolist()
+
+
+def test_the_dry_run_plan_counts_the_experts_a_token_runs(tmp_path):
+    """The plan's forward work multiplies the parameters a token uses: 2 of Mixtral's 4 experts."""
+    from blockfold.cli import main
+    from blockfold.plan import _active_parameters
+
+    model = tiny_model("mixtral")
+    adapter = get_adapter(model)
+    layers = adapter.layers(model)
+    experts = sum(p.numel() for layer in layers for p in adapter.mlp(layer).experts.parameters())
+    blocks = sum(p.numel() for layer in layers for p in layer.parameters())
+    assert _active_parameters(adapter, layers, model.config) == blocks - experts / 2
+    model.config.save_pretrained(tmp_path / "config")
+    code = main(["compress", "--model", str(tmp_path / "config" / "config.json"), "--blocks", "2", "--calib",
+                 "self", "--out", str(tmp_path / "out"), "--dry-run", "80GiB"])
+    assert code == 0 and not (tmp_path / "out").exists()

@@ -71,6 +71,20 @@ def _cpu_throughput() -> tuple[float, float]:
     return rates[0], rates[1]
 
 
+def _active_parameters(adapter, layers, config) -> float:
+    """Parameters of all blocks that one token multiplies: a mixture of experts runs
+    ``num_experts_per_tok`` of its experts, not all of them."""
+    total = 0.0
+    for layer in layers:
+        total += sum(p.numel() for p in layer.parameters())
+        if adapter.is_sparse(layer):
+            experts = getattr(adapter.mlp(layer), adapter.experts_attr)
+            count = getattr(experts, "num_experts", None) or getattr(config, "num_local_experts", None) or config.num_experts
+            routed = sum(p.numel() for p in experts.parameters())
+            total -= routed * (1 - config.num_experts_per_tok / count)
+    return total
+
+
 def plan_for(spec: str, recipe: Recipe, execution: Execution, accelerator_memory: int | None = None) -> Plan:
     """The plan of compressing ``spec`` as ``recipe`` says, on this machine's device, or on an
     accelerator with ``accelerator_memory`` bytes (a plan for a GPU this machine does not have)."""
@@ -206,9 +220,9 @@ def plan_for(spec: str, recipe: Recipe, execution: Execution, accelerator_memory
     plan.add("peak memory", f"about {gib(peak)} on the device" + (f" of {gib(memory)}" if memory else ""))
 
     # -- time -----------------------------------------------------------------------------
-    attention_flops = 4 * calibration.sequence_length * config.num_attention_heads * getattr(
-        config, "head_dim", d // config.num_attention_heads) / 2  # causal: half the square
-    forward = passes * tokens * num_layers * (2 * per_layer_params + attention_flops)
+    head_dim = getattr(config, "head_dim", None) or d // config.num_attention_heads
+    attention_flops = 4 * calibration.sequence_length * config.num_attention_heads * head_dim / 2  # causal: half
+    forward = passes * tokens * (2 * _active_parameters(adapter, layers, config) + num_layers * attention_flops)
     stats = tokens * stats_flops_per_token
     transfer = passes * chunks * weights if pipeline == "sequential" else 0
     plan.add("work", f"{forward / 1e15:.1f} PFLOP forward ({DTYPE_NAMES[dtype]}), {stats / 1e15:.2f} PFLOP of float64 "
