@@ -209,3 +209,24 @@ def test_the_dry_run_plan_counts_the_experts_a_token_runs(tmp_path):
     code = main(["compress", "--model", str(tmp_path / "config" / "config.json"), "--blocks", "2", "--calib",
                  "self", "--out", str(tmp_path / "out"), "--dry-run", "80GiB"])
     assert code == 0 and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("pipeline", ["whole", "sequential"])
+def test_a_checkpoint_missing_one_experts_tensor_is_one_clear_error(capsys, pipeline, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from blockfold.cli import main
+
+    folder = _source_folder("mixtral", tmp_path)
+    tensors = load_file(str(folder / "model.safetensors"))
+    tensors.pop("model.layers.2.block_sparse_moe.experts.1.w2.weight")
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(" ".join(f"w{i % 90}" for i in range(2000)))
+    code = main(["compress", "--model", str(folder), "--calib", str(corpus), "--out", str(tmp_path / "out"),
+                 "--num-seqs", "4", "--seq-len", "16", "--blocks", "2", "--pipeline", pipeline])
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("blockfold: error:")]
+    assert code != 0 and len(errors) == 1 and "incomplete" in errors[0], errors
+    if pipeline == "sequential":
+        assert "block_sparse_moe.experts.1.w2.weight" in errors[0]
+    assert not (tmp_path / "out").exists()

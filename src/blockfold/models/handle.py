@@ -64,6 +64,12 @@ class WeightStore:
                 names = aliases[id(param)]
                 found = next((name for name in names if name in reader), None) or Stored.of(model, names[0], param, reader)
                 if found is None:
+                    missing = Stored.missing(model, names[0], param, reader)
+                    if missing:
+                        raise BlockfoldError(
+                            f"checkpoint {reader.folder} lacks {len(missing)} of the tensors {names[0]} is stored as "
+                            f"({', '.join(missing[:2])}{', ...' if len(missing) > 2 else ''}): the checkpoint is "
+                            "incomplete; download it again")
                     raise BlockfoldError(
                         f"checkpoint {reader.folder} has no tensor for {names[0]}: it is not a checkpoint of this "
                         f"{type(model).__name__}, or it names its tensors differently; load it with "
@@ -108,6 +114,14 @@ class Stored:
         if parameter in stored or not all(name in reader for name in stored):
             return None
         return cls(parameter, tuple(stored), weakref.ref(model))
+
+    @staticmethod
+    def missing(model: nn.Module, parameter: str, param: torch.Tensor, reader: CheckpointReader) -> list[str]:
+        """The tensors of ``parameter``'s stored form that ``reader`` lacks, where it is stored as others
+        and holds some of them (an incomplete checkpoint rather than another model's)."""
+        stored = stored_tensors(model, parameter, torch.empty(param.shape, dtype=param.dtype, device="meta"))
+        absent = [name for name in stored if name not in reader]
+        return absent if parameter not in stored and len(absent) < len(stored) else []
 
     def read(self, reader: CheckpointReader) -> torch.Tensor:
         return load_stored(self.model(), {name: reader.get(name) for name in self.tensors})[self.parameter]

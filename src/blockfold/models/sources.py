@@ -174,6 +174,11 @@ def load_model(
             f"could not load model {spec!r} ({str(err).splitlines()[0]}): use a local folder, a .gguf file "
             f"or a built-in name ({', '.join(BUILTIN_MODELS)}); hub ids need a reachable hub"
         ) from None
+    except RuntimeError as err:
+        if "mismatched_sizes" not in str(err):
+            raise
+        raise BlockfoldError(f"the tensors of {spec} do not match its config.json (transformers' load report above "
+                             "names them): the checkpoint is incomplete or of another model; download it again") from None
     model.eval()
     model.requires_grad_(False)
     return ModelHandle(model, tokenizer, device, dtype, WeightStore.of(model, reader), spec, folder)
