@@ -74,9 +74,8 @@ def _cpu_throughput() -> tuple[float, float]:
 def _active_parameters(adapter, layers, config) -> float:
     """Parameters of all blocks that one token multiplies: a mixture of experts runs
     ``num_experts_per_tok`` of its experts, not all of them."""
-    total = 0.0
+    total = float(sum(p.numel() for p in layers.parameters()))
     for layer in layers:
-        total += sum(p.numel() for p in layer.parameters())
         if adapter.is_sparse(layer):
             experts = getattr(adapter.mlp(layer), adapter.experts_attr)
             count = getattr(experts, "num_experts", None) or getattr(config, "num_local_experts", None) or config.num_experts
@@ -107,10 +106,10 @@ def plan_for(spec: str, recipe: Recipe, execution: Execution, accelerator_memory
     layers = adapter.layers(model)
     num_layers, d = len(layers), adapter.hidden_size(model)
     element = dtype.itemsize
-    # the largest block (a mixture of experts may keep some blocks dense)
-    per_layer_params = max(sum(p.numel() for p in layer.parameters()) for layer in layers)
+    sizes = [sum(p.numel() for p in layer.parameters()) for layer in layers]
+    per_layer_params = max(sizes)  # the largest block (a mixture of experts may keep some blocks dense)
     total_params = sum(p.numel() for p in model.parameters())
-    outside = (total_params - sum(p.numel() for layer in layers for p in layer.parameters())) * element
+    outside = (total_params - sum(sizes)) * element
     weights = total_params * element
     memory = accelerator_memory if accelerator_memory is not None else free_memory(device) or 0
     pipeline = execution.pipeline

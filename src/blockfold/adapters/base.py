@@ -169,9 +169,9 @@ class MixtureOfExpertsAdapter(DecoderAdapter):
         return getattr(self.mlp(layer), self.experts_attr, None) is not None
 
     def mlp_output_projections(self, layer: nn.Module) -> list[Projection]:
-        mlp = self.mlp(layer)
         if not self.is_sparse(layer):
-            return [Projection(getattr(mlp, self.down_proj_attr))]
+            return super().mlp_output_projections(layer)
+        mlp = self.mlp(layer)
         experts = getattr(mlp, self.experts_attr)
         bias = f"{self.experts_down_proj_attr}_bias"
         projections = [Projection(experts, self.experts_down_proj_attr, bias if hasattr(experts, bias) else None,

@@ -64,8 +64,9 @@ class WeightStore:
                 names = aliases[id(param)]
                 found = next((name for name in names if name in reader), None) or Stored.of(model, names[0], param, reader)
                 if found is None:
-                    missing = Stored.missing(model, names[0], param, reader)
-                    if missing:
+                    stored = Stored.names(model, names[0], param)
+                    missing = [name for name in stored if name not in reader]
+                    if 0 < len(missing) < len(stored):  # some held: an incomplete checkpoint, not another model's
                         raise BlockfoldError(
                             f"checkpoint {reader.folder} lacks {len(missing)} of the tensors {names[0]} is stored as "
                             f"({', '.join(missing[:2])}{', ...' if len(missing) > 2 else ''}): the checkpoint is "
@@ -107,21 +108,19 @@ class Stored:
     tensors: tuple[str, ...]
     model: weakref.ref
 
+    @staticmethod
+    def names(model: nn.Module, parameter: str, param: torch.Tensor) -> list[str]:
+        """The tensors ``parameter`` is stored as, or none where it is stored under its own name."""
+        stored = stored_tensors(model, parameter, torch.empty(param.shape, dtype=param.dtype, device="meta"))
+        return [] if parameter in stored else list(stored)
+
     @classmethod
     def of(cls, model: nn.Module, parameter: str, param: torch.Tensor, reader: CheckpointReader) -> "Stored | None":
         """The stored form of ``parameter`` when ``reader`` holds all of it, else None."""
-        stored = stored_tensors(model, parameter, torch.empty(param.shape, dtype=param.dtype, device="meta"))
-        if parameter in stored or not all(name in reader for name in stored):
+        names = cls.names(model, parameter, param)
+        if not names or not all(name in reader for name in names):
             return None
-        return cls(parameter, tuple(stored), weakref.ref(model))
-
-    @staticmethod
-    def missing(model: nn.Module, parameter: str, param: torch.Tensor, reader: CheckpointReader) -> list[str]:
-        """The tensors of ``parameter``'s stored form that ``reader`` lacks, where it is stored as others
-        and holds some of them (an incomplete checkpoint rather than another model's)."""
-        stored = stored_tensors(model, parameter, torch.empty(param.shape, dtype=param.dtype, device="meta"))
-        absent = [name for name in stored if name not in reader]
-        return absent if parameter not in stored and len(absent) < len(stored) else []
+        return cls(parameter, tuple(names), weakref.ref(model))
 
     def read(self, reader: CheckpointReader) -> torch.Tensor:
         return load_stored(self.model(), {name: reader.get(name) for name in self.tensors})[self.parameter]
