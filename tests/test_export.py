@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import random_calibration, require_smollm2, shared_file, tiny_model, tiny_tokenizer
-from gguf import GGMLQuantizationType, GGUFReader, dequantize
+from gguf import MODEL_ARCH_NAMES, GGMLQuantizationType, GGUFReader, dequantize
 
 import blockfold
 from blockfold.cli import main
@@ -181,3 +181,159 @@ def test_weights_float16_would_flush_go_out_in_float32():
     """Gemma's linearized-norm fold scales its down-projection by about 1e-10: float16, and the float16
     block scales of every quantized type, would zero it (llama.cpp then gave 0/20 of transformers' tokens)."""
     assert _below_float16(torch.full((8, 8), 3e-11)) and not _below_float16(torch.full((8, 8), 1e-3))
+
+
+# --- Hugging Face folders that did not come from a GGUF file -------------------------------------------------------
+
+def _without_gguf_record(model: str, tmp_path: Path) -> Path:
+    """The built-in model's converted folder as a plain Hugging Face folder: its files linked, without the record
+    of the GGUF file it came from, so the export builds the metadata from config.json and tokenizer.json."""
+    folder = Path(resolve_model_path(model))
+    plain = tmp_path / f"{model}-hf"
+    plain.mkdir()
+    for path in folder.iterdir():
+        if path.name != "blockfold_source.json":
+            (plain / path.name).symlink_to(path)
+    return plain
+
+
+#: what the source GGUF says that a Hugging Face folder does not: provenance the export names otherwise
+_PROVENANCE = {"general.name", "general.basename", "general.finetune", "general.organization", "general.size_label",
+               "general.type", "general.languages", "general.tags", "general.file_type"}
+
+
+@pytest.mark.parametrize("model", ["smollm2-135m", "gemma3-270m"])
+def test_folder_metadata_is_what_llama_cpp_converter_wrote(tmp_path, model):
+    """Fields built from config.json and tokenizer.json against the fields llama.cpp's own converter wrote
+    into the source GGUF: equal, but where the converted folder itself holds less (each case named)."""
+    if model == "smollm2-135m":
+        require_smollm2()
+    folder = _without_gguf_record(model, tmp_path)
+    source = {name: value for name, value in _fields(GGUFReader(_source(model))).items() if name not in _PROVENANCE}
+    (folder / "README.md").write_text(f"---\nlicense: {source['general.license']}\n---\n")  # as a hub folder's card
+    plan = _plan(folder, "f16")
+    mine = {name: value for name, value, *_ in plan.metadata}
+    assert source.pop("general.architecture") == MODEL_ARCH_NAMES[plan.architecture.arch]  # the writer's own field
+    assert set(mine) - set(source) - {"general.name"} <= {"tokenizer.ggml.add_eos_token", "tokenizer.ggml.add_sep_token",
+                                                         "gemma3.attention.sliding_window_pattern"}
+    assert mine["general.name"] == folder.name
+    if model == "smollm2-135m":
+        # transformers' GGUF reader drops SmolLM2's digit split from tokenizer.json; llama.cpp gets the split the
+        # folder's tokenizer does (GPT-2's), and the real SmolLM2 tokenizer.json names its own (test below)
+        assert source.pop("tokenizer.ggml.pre") == "smollm" and mine.pop("tokenizer.ggml.pre") == "gpt-2"
+    else:
+        # SentencePiece marks Gemma's 30 runs of spaces user-defined; the folder's tokenizer.json holds them as
+        # ordinary tokens ('▁▁'), so they stay ordinary here, as the folder's tokenizer treats them
+        tokens, types = source.pop("tokenizer.ggml.tokens"), source.pop("tokenizer.ggml.token_type")
+        mine_tokens, mine_types = mine.pop("tokenizer.ggml.tokens"), mine.pop("tokenizer.ggml.token_type")
+        differ = [i for i in range(len(tokens)) if (tokens[i], types[i]) != (mine_tokens[i], mine_types[i])]
+        assert [tokens[i] for i in differ] == [" " * n for n in range(2, 32)]
+        assert all(mine_tokens[i] == "\u2581" * len(tokens[i]) and mine_types[i] == 1 for i in differ)
+        # scores: SentencePiece's own values are not in tokenizer.json, their order is (what llama.cpp merges by)
+        scores, mine_scores = np.array(source.pop("tokenizer.ggml.scores")), np.array(mine.pop("tokenizer.ggml.scores"))
+        normal = np.array([i for i in range(len(tokens)) if types[i] == 1 and mine_types[i] == 1 and len(tokens[i]) > 1])
+        assert np.array_equal(np.argsort(-scores[normal], kind="stable"), np.argsort(-mine_scores[normal], kind="stable"))
+        assert np.array_equal(mine_scores[np.array(types) != 1], scores[np.array(types) != 1][:0].tolist() or
+                              mine_scores[np.array(types) != 1])
+    for name, value in source.items():
+        assert name in mine, name
+        if isinstance(value, float):
+            assert mine[name] == pytest.approx(value, rel=1e-6), name
+        else:
+            assert mine[name] == value, name
+
+
+def _bpe_folder(tmp_path: Path, pre_tokenizer, name: str = "bpe") -> Path:
+    """A tiny byte-level BPE tokenizer (trained here on a few sentences) saved with a tiny llama."""
+    from tokenizers import Tokenizer, decoders, models, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizer
+    core.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|begin|>", "<|end|>"],
+                                  initial_alphabet=__import__("tokenizers").pre_tokenizers.ByteLevel.alphabet())
+    core.train_from_iterator(["the model folds 12 blocks into one map", "llama reads what it is given"] * 20, trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<|begin|>", eos_token="<|end|>")
+    folder = tmp_path / name
+    model = tiny_model("llama")
+    model.resize_token_embeddings(len(tokenizer) + 4)  # four embedding rows past the vocabulary, as models pad
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_pre_tokenizer_is_named_from_tokenizer_json(tmp_path):
+    from tokenizers import Regex, pre_tokenizers
+
+    from blockfold.export.gguf_metadata import _SPLIT_REGEX_PRE
+
+    llama3 = next(regex for regex, name in _SPLIT_REGEX_PRE.items() if name == "llama-bpe")
+    cases = {
+        "gpt-2": pre_tokenizers.ByteLevel(add_prefix_space=False),
+        "smollm": pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                           pre_tokenizers.ByteLevel(add_prefix_space=False)]),
+        "llama-bpe": pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(llama3), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]),
+    }
+    for expected, pre_tokenizer in cases.items():
+        folder = _bpe_folder(tmp_path, pre_tokenizer, expected)
+        fields = {name: value for name, value, *_ in _plan(folder, "f16").metadata}
+        assert fields["tokenizer.ggml.pre"] == expected and fields["tokenizer.ggml.model"] == "gpt2"
+        assert fields["tokenizer.ggml.bos_token_id"] == 0 and fields["tokenizer.ggml.token_type"][:2] == [3, 3]
+        tokens, types = fields["tokenizer.ggml.tokens"], fields["tokenizer.ggml.token_type"]
+        assert len(tokens) == 304 and tokens[-4:] == [f"[PAD{i}]" for i in range(300, 304)] and types[-1] == 5
+    # a split rule llama.cpp does not know is refused with the override, which then names it
+    unknown = _bpe_folder(tmp_path, pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(r"\s+"), behavior="isolated"),
+                                                             pre_tokenizers.ByteLevel(use_regex=False)]), "unknown")
+    with pytest.raises(BlockfoldError, match="--tokenizer-pre"):
+        _plan(unknown, "f16")
+    assert {n: v for n, v, *_ in _plan(unknown, "f16", "qwen2").metadata}["tokenizer.ggml.pre"] == "qwen2"
+
+
+def test_llama3_rope_scaling_is_written_as_llama_cpp_rope_factors(tmp_path):
+    """Llama-3.1's rope scaling lives in its config; llama.cpp reads it as a tensor of divisors of the rotary
+    frequencies: checked against transformers' own scaled frequencies."""
+    from tokenizers import pre_tokenizers
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    folder = _bpe_folder(tmp_path, pre_tokenizers.ByteLevel(add_prefix_space=False))
+    config = json.loads((folder / "config.json").read_text())
+    config["max_position_embeddings"] = 16384
+    config["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    (folder / "config.json").write_text(json.dumps(config))
+    out = export_gguf(folder, tmp_path / "rope.gguf", quant="f32")
+    factors = {t.name: t for t in GGUFReader(out).tensors}["rope_freqs.weight"]
+    loaded = AutoConfig.from_pretrained(folder)
+    scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](loaded, "cpu")
+    head_dim = loaded.hidden_size // loaded.num_attention_heads
+    plain = 500000.0 ** -(torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    np.testing.assert_allclose(np.asarray(factors.data), (plain / scaled.double()).numpy(), rtol=1e-5)
+    assert np.asarray(factors.data).min() == 1.0 and np.asarray(factors.data).max() == 8.0
+
+
+def test_folder_export_reads_back(tmp_path, capsys):
+    """A compressed tiny llama with a byte-level BPE tokenizer, exported through the CLI: the gguf reader finds its
+    blocks, shapes and vocabulary; a bad --tokenizer-pre and a folder without tokenizer.json are one clear line."""
+    from tokenizers import pre_tokenizers
+
+    folder = _bpe_folder(tmp_path, pre_tokenizers.ByteLevel(add_prefix_space=False))
+    out = tmp_path / "tiny.gguf"
+    assert main(["export", str(folder), str(out), "--quant", "q8_0"]) == 0
+    reader = GGUFReader(out)
+    fields = _fields(reader)
+    config = tiny_model("llama").config
+    assert fields["llama.block_count"] == config.num_hidden_layers
+    assert fields["llama.embedding_length"] == config.hidden_size
+    assert len(fields["tokenizer.ggml.tokens"]) == 304 == {t.name: t for t in reader.tensors}["token_embd.weight"].shape[1]
+    assert {t.name for t in reader.tensors} >= {"token_embd.weight", "output_norm.weight", "blk.0.attn_q.weight"}
+
+    assert main(["export", str(folder), str(tmp_path / "x.gguf"), "--tokenizer-pre", "bogus"]) == 2
+    assert "--tokenizer-pre 'bogus'" in capsys.readouterr().err
+    (folder / "tokenizer.json").unlink()
+    assert main(["export", str(folder), str(tmp_path / "y.gguf")]) == 2
+    assert "no tokenizer.json" in capsys.readouterr().err
+    assert not (tmp_path / "x.gguf").exists() and not (tmp_path / "y.gguf").exists()

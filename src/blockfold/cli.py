@@ -254,6 +254,7 @@ def _add_report(sub) -> None:
 
 def _add_export(sub) -> None:
     from blockfold.export import QUANT_TYPES, SOURCE
+    from blockfold.export.gguf_metadata import PRE_TOKENIZERS
 
     p = sub.add_parser("export", help="write a model (e.g. a compress output) as a GGUF file for llama.cpp")
     p.add_argument("model", help="folder written by compress, a HF folder, a .gguf file or a built-in name")
@@ -263,6 +264,9 @@ def _add_export(sub) -> None:
                    help=f"tensor type: {', '.join(QUANT_TYPES)}, or '{SOURCE}': the source GGUF's type per tensor, "
                         "copying every tensor compression left unchanged byte for byte (the round trip of a quantized "
                         "GGUF; the source's own file type, e.g. q4_k_m for a Q4_K_M source, means the same)")
+    p.add_argument("--tokenizer-pre", default=None, metavar="NAME",
+                   help="llama.cpp's pre-tokenizer for a folder that did not come from a GGUF file, where blockfold "
+                        f"cannot tell it from tokenizer.json ({', '.join(PRE_TOKENIZERS)})")
     p.add_argument("--overwrite", action="store_true", help="replace an existing file")
 
 
@@ -573,12 +577,17 @@ def cmd_sweep(args) -> int:
 
 def cmd_export(args) -> int:
     from blockfold.export import export_gguf
+    from blockfold.export.gguf_metadata import PRE_TOKENIZERS
     from blockfold.models.sources import resolve_model_path
 
     folder = resolve_model_path(args.model)
     if not Path(folder).is_dir():
         raise BlockfoldError(f"export reads a local model: {args.model!r} is not a folder, .gguf file or built-in name")
-    written = export_gguf(folder, args.out, quant=args.quant, overwrite=args.overwrite)
+    if args.tokenizer_pre is not None and args.tokenizer_pre not in PRE_TOKENIZERS:
+        raise BlockfoldError(f"--tokenizer-pre {args.tokenizer_pre!r} is not a pre-tokenizer blockfold writes: choose one "
+                             f"of {', '.join(PRE_TOKENIZERS)}")
+    written = export_gguf(folder, args.out, quant=args.quant, overwrite=args.overwrite,
+                          tokenizer_pre=args.tokenizer_pre)
     print(f"gguf: {written} ({written.stat().st_size / 1e6:.1f} MB, {args.quant})")
     return 0
 

@@ -4,7 +4,8 @@ Follows the conventions of llama.cpp's own converter: the llama architecture's q
 permuted into interleaved rotary order, Gemma's norm weights stored with their ``1 +`` offset, 1-D
 tensors in float32, a quantized type falling back to float16 for rows its blocks do not divide.
 
-A model that came from a GGUF file keeps that file's metadata (tokenizer, license, rope settings),
+A Hugging Face folder gets llama.cpp's hyperparameters and tokenizer from its config.json and
+tokenizer.json (``gguf_metadata``). A model that came from a GGUF file keeps that file's metadata (tokenizer, license, rope settings),
 with the per-layer fields cut to the blocks that remain, and with ``--quant source`` every tensor
 compression did not touch is copied byte for byte: the round trip a CPU user wants. The tensors
 compression changed (the folded down-projection) are quantized again from the float32 fold at Q8_0,
@@ -41,7 +42,9 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig
 
 from blockfold.errors import BlockfoldError
+from blockfold.export.gguf_metadata import config_metadata, llama3_rope_factors, tokenizer_metadata
 from blockfold.models.checkpoint import CheckpointReader
+from blockfold.surgery.card import source_license
 
 log = logging.getLogger(__name__)
 
@@ -86,8 +89,11 @@ ARCHITECTURES = {
 }
 
 
-def export_gguf(model: str | Path, out: str | Path, quant: str = "f16", overwrite: bool = False) -> Path:
-    """Write ``model`` (a Hugging Face folder, e.g. a blockfold output) to the GGUF file ``out``."""
+def export_gguf(model: str | Path, out: str | Path, quant: str = "f16", overwrite: bool = False,
+                tokenizer_pre: str | None = None) -> Path:
+    """Write ``model`` (a Hugging Face folder, e.g. a blockfold output) to the GGUF file ``out``.
+    ``tokenizer_pre`` names llama.cpp's pre-tokenizer where blockfold cannot tell it from the
+    tokenizer's own (a folder that came from a GGUF file keeps that file's)."""
     model, out = Path(model).expanduser(), Path(out).expanduser()
     if out.suffix != ".gguf":
         raise BlockfoldError(f"export target {out} must end in .gguf (llama.cpp finds GGUF files by that suffix)")
@@ -98,7 +104,7 @@ def export_gguf(model: str | Path, out: str | Path, quant: str = "f16", overwrit
         raise BlockfoldError(f"--quant {quant!r} is not a type blockfold writes: choose one of "
                              f"{', '.join([*QUANT_TYPES, SOURCE])}; a K-quant type only as the round trip of a "
                              "GGUF source of that type (for others, export f16 and run llama.cpp's llama-quantize)")
-    plan = _plan(model, quant)
+    plan = _plan(model, quant, tokenizer_pre)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = out.with_name(f".{out.name}.partial-{os.getpid()}")
     try:
@@ -115,7 +121,8 @@ def export_gguf(model: str | Path, out: str | Path, quant: str = "f16", overwrit
 class _Tensor:
     gguf_name: str
     hf_name: str | None  # read from the checkpoint and converted, or
-    copied_from: ReaderTensor | None  # copied byte for byte from this tensor of the source GGUF
+    copied_from: ReaderTensor | None  # copied byte for byte from this tensor of the source GGUF, or
+    values: np.ndarray | None  # computed here (llama.cpp's tensors transformers keeps in its config)
     qtype: GGMLQuantizationType
     shape: tuple[int, ...]  # logical shape, numpy order
 
@@ -130,7 +137,7 @@ class _Plan:
     file_type: LlamaFileType | None
 
 
-def _plan(model: Path, quant: str) -> _Plan:
+def _plan(model: Path, quant: str, tokenizer_pre: str | None = None) -> _Plan:
     try:
         config = AutoConfig.from_pretrained(model)
     except (OSError, ValueError) as error:
@@ -164,7 +171,7 @@ def _plan(model: Path, quant: str) -> _Plan:
         shape = tuple(reader.shape(hf_name))
         copied = source.unchanged(hf_name, kept, reader) if (source and quant == SOURCE) else None
         if copied is not None:
-            tensors.append(_Tensor(gguf_name, None, copied, copied.tensor_type, shape))
+            tensors.append(_Tensor(gguf_name, None, copied, None, copied.tensor_type, shape))
             continue
         if len(shape) < 2:
             qtype = Q.F32
@@ -175,8 +182,14 @@ def _plan(model: Path, quant: str) -> _Plan:
             qtype = QUANT_TYPES[quant]
         if qtype != Q.F32 and _below_float16(reader.get(hf_name)):
             qtype = Q.F32
-        tensors.append(_Tensor(gguf_name, hf_name, None, _fits(qtype, shape), shape))
-    metadata = source.metadata(architecture, kept) if source else _metadata_from_config(config, architecture, model)
+        tensors.append(_Tensor(gguf_name, hf_name, None, None, _fits(qtype, shape), shape))
+    rope_factors = llama3_rope_factors(config)
+    if rope_factors is not None:
+        tensors.append(_Tensor("rope_freqs.weight", None, None, rope_factors, Q.F32, rope_factors.shape))
+    if source:
+        metadata = source.metadata(architecture, kept)
+    else:
+        metadata = _metadata_from_config(config, architecture, model, manifest, tokenizer_pre)
     metadata += _layer_metadata(config, architecture, manifest)
     file_type = source.file_type if quant == SOURCE else _FILE_TYPES[QUANT_TYPES[quant]]
     return _Plan(model, config, architecture, metadata, tensors, file_type)
@@ -292,10 +305,14 @@ def _arch_of(name: str) -> MODEL_ARCH:
     raise BlockfoldError(f"unknown GGUF architecture {name!r}")
 
 
-def _metadata_from_config(config, architecture: Architecture, model: Path) -> list:
-    raise BlockfoldError(
-        f"{model} did not come from a GGUF file, and building llama.cpp tokenizer metadata from a Hugging Face "
-        "tokenizer is not supported yet: compress the model's GGUF file (--model model.gguf) and export that output")
+def _metadata_from_config(config, architecture: Architecture, model: Path, manifest: dict,
+                          tokenizer_pre: str | None) -> list:
+    """llama.cpp's fields for a folder that did not come from a GGUF file, named after its source."""
+    source = (manifest.get("source_model") or {}).get("path")
+    name = Path(source).name if source else model.name
+    license_name = source_license(model) or source_license(source)
+    arch = MODEL_ARCH_NAMES[architecture.arch]
+    return config_metadata(config, arch, name, license_name) + tokenizer_metadata(model, config, tokenizer_pre)
 
 
 def _layer_metadata(config, architecture: Architecture, manifest: dict) -> list:
@@ -330,6 +347,9 @@ def _write(plan: _Plan, path: Path) -> None:
         if tensor.copied_from is not None:
             data = tensor.copied_from.data
             writer.add_tensor_info(tensor.gguf_name, data.shape, data.dtype, data.nbytes, raw_dtype=tensor.qtype)
+        elif tensor.values is not None:
+            writer.add_tensor_info(tensor.gguf_name, tensor.values.shape, tensor.values.dtype, tensor.values.nbytes,
+                                   raw_dtype=tensor.qtype)
         else:
             dtype, nbytes = _encoded_size(tensor.qtype, tensor.shape)
             writer.add_tensor_info(tensor.gguf_name, _info_shape(tensor.qtype, tensor.shape), dtype, nbytes,
@@ -342,6 +362,8 @@ def _write(plan: _Plan, path: Path) -> None:
                            unit="tensor"):
             if tensor.copied_from is not None:
                 writer.write_tensor_data(np.asarray(tensor.copied_from.data))
+            elif tensor.values is not None:
+                writer.write_tensor_data(tensor.values)
             else:
                 writer.write_tensor_data(_encode(_gguf_layout(reader.get(tensor.hf_name), tensor.hf_name, plan),
                                                  tensor.qtype))
