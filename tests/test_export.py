@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import random_calibration, require_smollm2, shared_file, tiny_model, tiny_tokenizer
-from gguf import MODEL_ARCH_NAMES, GGMLQuantizationType, GGUFReader, dequantize
+from gguf import GGML_QUANT_SIZES, MODEL_ARCH_NAMES, GGMLQuantizationType, GGUFReader, dequantize
 
 import blockfold
 from blockfold.cli import main
@@ -163,8 +163,8 @@ def test_bad_exports_are_refused_with_the_fix(capsys, compressed_smollm2, tmp_pa
     model.save_pretrained(folder)
     tiny_tokenizer().save_pretrained(folder)
     assert "--quant f16" in refused(str(folder), str(tmp_path / "t.gguf"), "--quant", "source")
-    # a K-quant type that is not the source's own (SmolLM2's is Q4_1): the gguf package cannot write it
-    assert "llama-quantize" in refused(str(compressed_smollm2), str(tmp_path / "k.gguf"), "--quant", "q4_k_m")
+    # a type blockfold does not write (an i-quant needs an importance matrix): llama-quantize is the way
+    assert "llama-quantize" in refused(str(compressed_smollm2), str(tmp_path / "k.gguf"), "--quant", "iq2_xs")
     assert not list(tmp_path.glob("*.partial*")) and not (tmp_path / "t.gguf").exists()
 
 
@@ -337,3 +337,66 @@ def test_folder_export_reads_back(tmp_path, capsys):
     assert main(["export", str(folder), str(tmp_path / "y.gguf")]) == 2
     assert "no tokenizer.json" in capsys.readouterr().err
     assert not (tmp_path / "x.gguf").exists() and not (tmp_path / "y.gguf").exists()
+
+
+def test_k_quant_export_follows_llama_quantize(tmp_path):
+    """A fresh q4_k_m export of a model whose rows fill K-quant super-blocks: each tensor gets llama-quantize's type
+    (Q6_K for the output and the use-more-bits layers' attn_v and ffn_down, Q4_K elsewhere) and its values."""
+    from tokenizers import pre_tokenizers
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from blockfold.export.kquants import k_quant_type
+
+    folder = _bpe_folder(tmp_path, pre_tokenizers.ByteLevel(add_prefix_space=False))
+    config = LlamaConfig(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+                         num_hidden_layers=8, vocab_size=304, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    out = tmp_path / "q4km.gguf"
+    assert main(["export", str(folder), str(out), "--quant", "q4_k_m"]) == 0
+    reader = GGUFReader(out)
+    assert _fields(reader)["general.file_type"] == 15  # LlamaFileType.MOSTLY_Q4_K_M
+    weights = CheckpointReader(folder)
+    plan = {t.gguf_name: t for t in _plan(folder, "f32").tensors}
+    kinds = set()
+    for tensor in reader.tensors:
+        if len(tensor.shape) == 1:
+            assert tensor.tensor_type == GGMLQuantizationType.F32
+            continue
+        block = tensor.name.split(".")[1] if tensor.name.startswith("blk.") else None
+        expected = k_quant_type("q4_k_m", tensor.name, plan[tensor.name].shape, int(block) if block else None, 8,
+                                tied_embeddings=False)
+        assert tensor.tensor_type == expected, tensor.name
+        kinds.add(expected)
+        original = _gguf_layout(weights.get(plan[tensor.name].hf_name), plan[tensor.name].hf_name,
+                                _plan(folder, "f32"))
+        values = dequantize(tensor.data, tensor.tensor_type)
+        error = np.sqrt(np.mean((values - original) ** 2)) / np.sqrt(np.mean(original ** 2))
+        assert error < (0.05 if expected == GGMLQuantizationType.Q6_K else 0.12), (tensor.name, error)
+    assert kinds == {GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K}
+    assert {t.name: t.tensor_type for t in reader.tensors}["blk.0.ffn_down.weight"] == GGMLQuantizationType.Q6_K
+    assert {t.name: t.tensor_type for t in reader.tensors}["blk.2.ffn_down.weight"] == GGMLQuantizationType.Q4_K
+
+
+@pytest.mark.slow
+def test_fresh_k_quant_export_reproduces_llama_quantize_bytes(tmp_path):
+    """Gemma-3-270m's values (dequantized from its Q4_K_M file) exported afresh as q4_k_m from a plain folder: every
+    tensor gets the type llama-quantize gave it, and the K-quant tensors come back as llama.cpp's own bytes."""
+    folder = _without_gguf_record("gemma3-270m", tmp_path)
+    out = tmp_path / "fresh.gguf"
+    assert main(["export", str(folder), str(out), "--quant", "q4_k_m"]) == 0
+    mine = {t.name: t for t in GGUFReader(out).tensors}
+    same = total = 0
+    for tensor in GGUFReader(_source("gemma3-270m")).tensors:
+        ours = mine[tensor.name]
+        assert ours.tensor_type == tensor.tensor_type, tensor.name
+        if tensor.tensor_type in (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K):
+            block_bytes = GGML_QUANT_SIZES[tensor.tensor_type][1]
+            a = np.asarray(tensor.data).reshape(-1, block_bytes)
+            b = np.asarray(ours.data).reshape(-1, block_bytes)
+            same += int((a == b).all(axis=1).sum())
+            total += a.shape[0]
+            np.testing.assert_allclose(dequantize(ours.data, ours.tensor_type),
+                                       dequantize(tensor.data, tensor.tensor_type), atol=0.05 * float(
+                                           np.abs(dequantize(tensor.data, tensor.tensor_type)).max()))
+    assert same / total > 0.9, same / total

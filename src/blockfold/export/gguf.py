@@ -43,6 +43,7 @@ from transformers import AutoConfig
 
 from blockfold.errors import BlockfoldError
 from blockfold.export.gguf_metadata import config_metadata, llama3_rope_factors, tokenizer_metadata
+from blockfold.export.kquants import K_FILE_TYPES, k_quant_type, quantize_k
 from blockfold.models.checkpoint import CheckpointReader
 from blockfold.surgery.card import source_license
 
@@ -68,6 +69,7 @@ _FILE_TYPES = {Q.F32: LlamaFileType.ALL_F32, Q.F16: LlamaFileType.MOSTLY_F16, Q.
 #: for a few hundred kB
 _AT_LEAST_8_BITS = {Q.F32, Q.F16, Q.BF16, Q.Q8_0}
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_BLOCK = re.compile(r"^blk\.(\d+)\.")
 
 
 @dataclass(frozen=True)
@@ -100,10 +102,10 @@ def export_gguf(model: str | Path, out: str | Path, quant: str = "f16", overwrit
     if out.exists() and not overwrite:
         raise BlockfoldError(f"{out} exists: pass --overwrite to replace it, or choose another file")
     quant = _as_source_type(model, quant)
-    if quant != SOURCE and quant not in QUANT_TYPES:
+    if quant != SOURCE and quant not in QUANT_TYPES and quant not in K_FILE_TYPES:
         raise BlockfoldError(f"--quant {quant!r} is not a type blockfold writes: choose one of "
-                             f"{', '.join([*QUANT_TYPES, SOURCE])}; a K-quant type only as the round trip of a "
-                             "GGUF source of that type (for others, export f16 and run llama.cpp's llama-quantize)")
+                             f"{', '.join([*QUANT_TYPES, *K_FILE_TYPES, SOURCE])} (for others, export f16 and run "
+                             "llama.cpp's llama-quantize)")
     plan = _plan(model, quant, tokenizer_pre)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = out.with_name(f".{out.name}.partial-{os.getpid()}")
@@ -162,6 +164,7 @@ def _plan(model: Path, quant: str, tokenizer_pre: str | None = None) -> _Plan:
     reader = CheckpointReader(model)
     source = _SourceGGUF(*found) if found else None
     names_now = get_tensor_name_map(architecture.arch, config.num_hidden_layers)
+    tied = "lm_head.weight" not in reader.names()
     tensors = []
     for hf_name in reader.names():
         gguf_name = names_now.get_name(hf_name, try_suffixes=(".weight", ".bias"))
@@ -177,12 +180,16 @@ def _plan(model: Path, quant: str, tokenizer_pre: str | None = None) -> _Plan:
             qtype = Q.F32
         elif quant == SOURCE:  # changed by compression: at least 8 bits (see _AT_LEAST_8_BITS)
             old = source.type_of(hf_name, kept)
-            qtype = old if old in _AT_LEAST_8_BITS else Q.Q8_0
+            qtype = _fits(old if old in _AT_LEAST_8_BITS else Q.Q8_0, shape)
+        elif quant in K_FILE_TYPES:  # llama-quantize's choice per tensor, with its fallbacks for short rows
+            block = _BLOCK.match(gguf_name)
+            qtype = k_quant_type(quant, gguf_name, shape, int(block.group(1)) if block else None,
+                                 config.num_hidden_layers, tied_embeddings=tied)
         else:
-            qtype = QUANT_TYPES[quant]
+            qtype = _fits(QUANT_TYPES[quant], shape)
         if qtype != Q.F32 and _below_float16(reader.get(hf_name)):
             qtype = Q.F32
-        tensors.append(_Tensor(gguf_name, hf_name, None, None, _fits(qtype, shape), shape))
+        tensors.append(_Tensor(gguf_name, hf_name, None, None, qtype, shape))
     rope_factors = llama3_rope_factors(config)
     if rope_factors is not None:
         tensors.append(_Tensor("rope_freqs.weight", None, None, rope_factors, Q.F32, rope_factors.shape))
@@ -191,7 +198,10 @@ def _plan(model: Path, quant: str, tokenizer_pre: str | None = None) -> _Plan:
     else:
         metadata = _metadata_from_config(config, architecture, model, manifest, tokenizer_pre)
     metadata += _layer_metadata(config, architecture, manifest)
-    file_type = source.file_type if quant == SOURCE else _FILE_TYPES[QUANT_TYPES[quant]]
+    if quant == SOURCE:
+        file_type = source.file_type
+    else:
+        file_type = K_FILE_TYPES[quant] if quant in K_FILE_TYPES else _FILE_TYPES[QUANT_TYPES[quant]]
     return _Plan(model, config, architecture, metadata, tensors, file_type)
 
 
@@ -389,6 +399,8 @@ def _encode(data: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
         return data.astype(np.float32)
     if qtype == Q.F16:
         return data.astype(np.float16)
+    if qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K):
+        return quantize_k(data.astype(np.float32), qtype)
     return quantize(data.astype(np.float32), qtype)
 
 
