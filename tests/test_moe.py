@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-import subprocess
 import sys
 
 import pytest
 import torch
-from conftest import MOE_ARCHITECTURES, handle_of, random_calibration, stream, tiny_model, tiny_tokenizer
+from conftest import (MOE_ARCHITECTURES, generate_without_blockfold, handle_of, random_calibration, stream,
+                      tiny_model, tiny_tokenizer)
 from safetensors import safe_open
 
 import blockfold
@@ -123,31 +122,6 @@ def test_layer_by_layer_reads_the_experts_as_save_pretrained_stored_them(moe_arc
         assert torch.allclose(equations.xty, other.xty, rtol=1e-10, atol=1e-10)
 
 
-RELOAD_SCRIPT = r"""
-import json, sys, torch
-sys.modules["blockfold"] = None  # blockfold must not be importable here
-from transformers import AutoModelForCausalLM
-model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32, trust_remote_code=True).eval()
-ids = torch.tensor(json.loads(sys.argv[2]))
-cached = model.generate(ids, max_new_tokens=10, do_sample=False, use_cache=True, pad_token_id=0)
-uncached = model.generate(ids, max_new_tokens=10, do_sample=False, use_cache=False, pad_token_id=0)
-assert torch.equal(cached, uncached), "the KV cache changed the greedy tokens"
-print(json.dumps(cached.tolist()))
-"""
-
-
-def _generate_without_blockfold(folder, ids, tmp_path) -> list:
-    """Greedy tokens (with a KV cache, checked against none) of a saved checkpoint in a process that
-    cannot import blockfold, started in another folder (shipped code must not read the working one)."""
-    workdir = tmp_path / "elsewhere"
-    workdir.mkdir(exist_ok=True)
-    env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules")}
-    completed = subprocess.run([sys.executable, "-c", RELOAD_SCRIPT, str(folder), json.dumps(ids)], cwd=workdir,
-                               env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True)
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    return json.loads(completed.stdout.strip().splitlines()[-1])
-
-
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
 def test_cli_compresses_a_mixture_of_experts_end_to_end(capsys, arch, tmp_path):
     from blockfold.cli import main
@@ -180,7 +154,7 @@ def test_cli_compresses_a_mixture_of_experts_end_to_end(capsys, arch, tmp_path):
     ids = [[5, 17, 33, 8, 61, 20]]
     model = type(tiny_model(arch)).from_pretrained(out).eval()
     expected = model.generate(torch.tensor(ids), max_new_tokens=10, do_sample=False, use_cache=True, pad_token_id=0)
-    assert _generate_without_blockfold(out, ids, tmp_path) == expected.tolist()
+    assert generate_without_blockfold(out, ids, tmp_path) == expected.tolist()
 
 
 def test_nbl_linearizes_a_mixtures_attention_and_reloads_without_blockfold(moe_arch, tmp_path):
@@ -191,7 +165,7 @@ def test_nbl_linearizes_a_mixtures_attention_and_reloads_without_blockfold(moe_a
     assert config["model_type"] == f"blockfold_{moe_arch}" and len(config["blockfold_linearized"]) == 2
     ids = [[5, 17, 33, 8, 61, 20]]
     expected = model.generate(torch.tensor(ids), max_new_tokens=10, do_sample=False, use_cache=True, pad_token_id=0)
-    assert _generate_without_blockfold(out, ids, tmp_path) == expected.tolist()
+    assert generate_without_blockfold(out, ids, tmp_path) == expected.tolist()
 
 
 def test_the_dry_run_plan_counts_the_experts_a_token_runs(tmp_path):

@@ -117,9 +117,11 @@ def count_parameters(model: PreTrainedModel) -> int:
 
 def open_model(spec: str, execution: Execution | None = None, check=None) -> ModelHandle:
     """Load ``spec`` for compression: resident when the pipeline is ``whole`` (or ``auto`` and the
-    weights fit comfortably on the device), else as a skeleton streamed layer by layer."""
+    weights fit comfortably on the device, or they are quantized), else as a skeleton streamed layer
+    by layer."""
     from blockfold.models.checkpoint import CheckpointReader, has_safetensors
-    from blockfold.models.sources import load_model, resolve_model_path
+    from blockfold.models.quantized import quantization_method
+    from blockfold.models.sources import load_model, read_config, resolve_model_path
     from blockfold.runtime import free_memory, resolve_dtype
 
     execution = execution or Execution()
@@ -127,7 +129,7 @@ def open_model(spec: str, execution: Execution | None = None, check=None) -> Mod
     if pipeline == "auto":
         location = resolve_model_path(spec)
         pipeline = "whole"
-        if isinstance(location, Path) and has_safetensors(location):
+        if isinstance(location, Path) and has_safetensors(location) and quantization_method(read_config(location)) is None:
             reader = CheckpointReader(location)
             device = resolve_device(execution.device)
             dtype = resolve_dtype(execution.dtype, device, reader.floating_dtype())

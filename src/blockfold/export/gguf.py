@@ -146,6 +146,10 @@ def _plan(model: Path, quant: str, tokenizer_pre: str | None = None) -> _Plan:
         raise BlockfoldError(f"{model} is not a Hugging Face model folder ({str(error).splitlines()[0]}): "
                              "export a folder written by `blockfold compress` or save_pretrained") from None
     model_type = config.model_type
+    if getattr(config, "quantization_config", None) is not None:
+        raise BlockfoldError(f"{model} is a quantized transformers checkpoint (its weights are packed for "
+                             "bitsandbytes, not float): export the float model's compressed output, or compress the "
+                             "model's GGUF file and export that with --quant source")
     if model_type.startswith("blockfold_"):
         raise BlockfoldError(
             f"{model} replaces sublayers by linear maps (NBL), which no llama.cpp architecture expresses (a layer "

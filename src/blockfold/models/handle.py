@@ -32,6 +32,7 @@ from blockfold.adapters import DecoderAdapter, get_adapter
 from blockfold.errors import BlockfoldError
 from blockfold.models.checkpoint import CheckpointReader
 from blockfold.models.naming import load_stored, stored_tensors
+from blockfold.models.quantized import dequantized_weight, is_quantized_linear, make_plain_linear
 
 Edit = Callable[[torch.Tensor], torch.Tensor]
 
@@ -241,7 +242,12 @@ class ModelHandle:
     @torch.no_grad()
     def transform(self, owner: nn.Module, attr: str, edit: Edit) -> None:
         """Record ``edit`` (float64 tensor → float64 tensor, on whatever device it is given) for
-        ``owner.attr``; a real tensor is updated at once, a placeholder when next materialized."""
+        ``owner.attr``; a real tensor is updated at once, a placeholder when next materialized. A
+        bitsandbytes 4-bit layer becomes a plain linear layer first (``models/quantized.py``)."""
+        if is_quantized_linear(owner):  # edited in float: the layer is dequantized once, saved unquantized
+            weight = dequantized_weight(owner)
+            make_plain_linear(owner, weight.to(self.device, self.dtype))
+            self.own(owner, "weight", weight)
         self.store.edits.setdefault(owner, {}).setdefault(attr, []).append(edit)
         param = owner._parameters[attr]
         if not _is_placeholder(param):
@@ -256,7 +262,8 @@ class ModelHandle:
         self.store.edits.get(owner, {}).pop(attr, None)
         param = owner._parameters[attr]
         if self.resident:
-            owner._parameters[attr] = nn.Parameter(master.to(self.device, self.dtype), requires_grad=False)
+            # a copy even where device and dtype match: an edit made in place must not reach the master
+            owner._parameters[attr] = nn.Parameter(master.to(self.device, self.dtype, copy=True), requires_grad=False)
         else:
             owner._parameters[attr] = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=False)
 

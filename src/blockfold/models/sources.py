@@ -22,6 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from blockfold.errors import BlockfoldError
 from blockfold.models.checkpoint import CheckpointReader, has_safetensors
 from blockfold.models.handle import ModelHandle, WeightStore
+from blockfold.models.quantized import check_quantized_source
 from blockfold.surgery.linearize import register_linearized_classes
 
 # blockfold reads its own linearized checkpoints with its copy of their modeling code (no remote code)
@@ -153,6 +154,7 @@ def load_model(
 
     location = resolve_model_path(spec)
     config = read_config(location)
+    check_quantized_source(config, pipeline)
     if check is not None:
         check(config)
     folder = Path(location) if isinstance(location, Path) else None

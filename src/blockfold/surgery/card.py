@@ -128,6 +128,14 @@ def model_card(manifest: dict, folder: Path, name: str, license_name: str | None
                   "--quant q8_0", "```", "",
                   "`scripts/serve-check.sh` in the blockfold repository checks an engine's greedy tokens against "
                   "transformers'.", ""]
+    quantization = config.get("quantization_config") or {}
+    if quantization.get("quant_method") == "bitsandbytes":
+        kind = quantization.get("bnb_4bit_quant_type", "4-bit")
+        lines += ["## Quantization", "",
+                  f"Quantized as its source was (bitsandbytes {kind}): loading needs `bitsandbytes`. Every 4-bit weight "
+                  "compression left alone is its source's, byte for byte; the layers it changed are stored unquantized "
+                  f"and listed in `llm_int8_skip_modules` ({', '.join(quantization.get('llm_int8_skip_modules') or [])}). "
+                  "GGUF export reads float checkpoints: compress the float model (or its GGUF file) for llama.cpp.", ""]
     lines += ["## License", "",
               (f"Derived from `{source}`, released under `{license_name}`; that license's terms apply to this "
                "checkpoint." if license_name else

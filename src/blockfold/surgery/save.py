@@ -23,6 +23,7 @@ from blockfold.errors import BlockfoldError
 from blockfold.models.checkpoint import DEFAULT_SHARD_BYTES, ShardWriter
 from blockfold.models.handle import ModelHandle
 from blockfold.models.naming import stored_tensors
+from blockfold.models.quantized import companion_names, is_quantized_linear, quantization_method, skip_modules_config
 from blockfold.surgery.card import CARD_NAME, model_card, source_license
 
 MANIFEST_NAME = "blockfold_manifest.json"
@@ -112,15 +113,24 @@ def write_checkpoint(handle: ModelHandle, folder: Path, save_dtype: torch.dtype 
         return save_dtype if tensor.is_floating_point() else tensor.dtype
 
     # each parameter under the names save_pretrained writes it (a mixture's experts one tensor each)
+    # (a meta stand-in, not ``tensor.to("meta")``: bitsandbytes moves a 4-bit weight's state along with it, in place)
     layout = [(stored, tuple(piece.shape), dtype_of(tensor)) for name, _, _, tensor in entries
-              for stored, piece in stored_tensors(model, name, tensor.to("meta")).items()]
+              for stored, piece in stored_tensors(model, name, torch.empty(tensor.shape, dtype=tensor.dtype,
+                                                                           device="meta")).items()]
+    companions = _quantization_state(handle, entries)
+    reader = handle.store.reader
+    layout += [(saved, tuple(reader.shape(source)), reader.dtype(source)) for saved, source in companions.items()]
     writer = ShardWriter(folder, max_shard_bytes, layout)
     for name, module, attr, tensor in tqdm(entries, desc="writing checkpoint", unit="tensor", leave=False):
         value = handle.saved_value(module, attr) if attr in module._parameters else tensor
         for stored, piece in stored_tensors(model, name, value.to(dtype_of(value))).items():
             writer.add(stored, piece.contiguous())
+    for saved, source in companions.items():  # as stored: a 4-bit weight's state is never cast
+        writer.add(saved, reader.get(source))
     writer.close()
     config = copy.deepcopy(model.config)
+    if quantization_method(config) is not None:
+        skip_modules_config(config, model)
     config.dtype = str(save_dtype).removeprefix("torch.")
     config.architectures = [type(model).__name__]
     if model.is_remote_code():  # linearized checkpoints ship their modeling code
@@ -131,6 +141,21 @@ def write_checkpoint(handle: ModelHandle, folder: Path, save_dtype: torch.dtype 
         shutil.copyfile(source_generation, folder / GENERATION_CONFIG_NAME)
     elif model.can_generate():
         GenerationConfig.from_model_config(config).save_pretrained(folder)
+
+
+def _quantization_state(handle: ModelHandle, entries) -> dict[str, str]:
+    """Saved name → checkpoint name of the tensors beside each 4-bit weight that stays quantized
+    (renumbered with its block), so it is written back byte for byte."""
+    companions: dict[str, str] = {}
+    for name, module, attr, _ in entries:
+        if attr == "weight" and is_quantized_linear(module):
+            source = handle.store.source_name(module, attr)
+            if handle.store.reader is None or not isinstance(source, str):
+                raise BlockfoldError(f"{name} is a 4-bit weight with no checkpoint to copy its quantization state "
+                                     "from: load the model from its folder")
+            for companion in companion_names(handle.store.reader.names(), source):
+                companions[name + companion[len(source):]] = companion
+    return companions
 
 
 def _saved_entries(model) -> list[tuple[str, nn.Module, str, torch.Tensor]]:

@@ -1,0 +1,103 @@
+"""Checkpoints that are already quantized by bitsandbytes (4-bit NF4 or FP4), as users run them.
+
+The NBL paper compresses a 4-bit model the way it is served: the calibration statistics come from
+the quantized model's own forward passes, the fold is computed in higher precision on the tensors it
+touches, and every other tensor is kept as it was. Here that means:
+
+- the model runs resident, with transformers' bitsandbytes layers (``--pipeline whole``: the packed
+  weights are rebuilt into 4-bit layers by bitsandbytes on load, not read tensor by tensor);
+- a layer surgery edits (the folded down-projection, say) is dequantized once into a plain
+  ``nn.Linear`` in the runtime dtype, and is saved unquantized in the source's floating dtype;
+- every other 4-bit layer is written back byte for byte, its quantization state beside it, and the
+  saved config lists the unquantized layers in ``llm_int8_skip_modules`` so plain transformers loads
+  them as they are.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+
+import torch
+from torch import nn
+
+from blockfold.errors import BlockfoldError
+
+log = logging.getLogger(__name__)
+
+
+def quantization_method(config) -> str | None:
+    """The ``quant_method`` of the config's ``quantization_config`` (None for a float checkpoint)."""
+    quantization = getattr(config, "quantization_config", None)
+    if quantization is None:
+        return None
+    return quantization.get("quant_method") if isinstance(quantization, dict) else getattr(quantization, "quant_method", None)
+
+
+def check_quantized_source(config, pipeline: str) -> None:
+    """Refuse the quantized checkpoints blockfold cannot compress, and layer-by-layer runs of the
+    ones it can, with what to do instead."""
+    method = quantization_method(config)
+    if method is None:
+        return
+    method = str(getattr(method, "value", method))
+    quantization = config.quantization_config
+    eight_bit = (quantization.get("load_in_8bit") if isinstance(quantization, dict)
+                 else getattr(quantization, "load_in_8bit", False))
+    if method != "bitsandbytes" or eight_bit:
+        raise BlockfoldError(f"the checkpoint is quantized with {method}{' (8-bit)' if eight_bit else ''}, which "
+                             "blockfold does not compress: it reads float checkpoints, GGUF files and bitsandbytes "
+                             "4-bit checkpoints; compress the float model, or its GGUF file")
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise BlockfoldError("the checkpoint is quantized with bitsandbytes, which is not installed: "
+                             "pip install 'blockfold[quant]' (or bitsandbytes itself)")
+    if pipeline == "sequential":
+        raise BlockfoldError("a bitsandbytes 4-bit checkpoint runs with --pipeline whole (bitsandbytes builds its "
+                             "4-bit layers when the model loads): drop --pipeline sequential")
+
+
+def is_quantized_linear(module: nn.Module) -> bool:
+    """A bitsandbytes 4-bit linear layer (its weight packed, its quantization state beside it)."""
+    weight = getattr(module, "weight", None)
+    return isinstance(module, nn.Linear) and getattr(weight, "quant_state", None) is not None
+
+
+def dequantized_weight(module: nn.Module) -> torch.Tensor:
+    """The 4-bit layer's weight as the float32 matrix its forward pass multiplies by."""
+    import bitsandbytes.functional as bnb_functional
+
+    weight = module.weight
+    return bnb_functional.dequantize_4bit(weight.data, weight.quant_state).to(torch.float32)
+
+
+def make_plain_linear(module: nn.Module, weight: torch.Tensor) -> None:
+    """Turn the 4-bit layer ``module`` into a plain ``nn.Linear`` holding ``weight``, in place, so
+    every reference to the module (adapters, the weight store) stays valid."""
+    module.weight = nn.Parameter(weight, requires_grad=False)
+    module.__class__ = nn.Linear
+    for attribute in ("quant_state", "compute_dtype", "compute_type_is_set", "quant_storage"):
+        module.__dict__.pop(attribute, None)
+
+
+def companion_names(names, weight_name: str) -> list[str]:
+    """The checkpoint tensors that hold a 4-bit weight's quantization state (``<weight>.absmax``,
+    ``<weight>.quant_map``, ``<weight>.quant_state.bitsandbytes__nf4``, ...)."""
+    prefix = f"{weight_name}."
+    return sorted(name for name in names if name.startswith(prefix))
+
+
+def unquantized_linears(model: nn.Module) -> list[str]:
+    """Names of the model's plain linear layers (the LM head, which bitsandbytes never quantizes, and
+    the layers surgery dequantized or added): what the saved config must keep bitsandbytes from
+    quantizing when transformers loads it (a list there replaces transformers' default, the head)."""
+    return sorted(name for name, module in model.named_modules() if type(module) is nn.Linear and name)
+
+
+def skip_modules_config(config, model: nn.Module) -> None:
+    """Add the model's unquantized linear layers to ``llm_int8_skip_modules`` of ``config``."""
+    quantization = config.quantization_config
+    as_dict = quantization if isinstance(quantization, dict) else quantization.to_dict()
+    skip = sorted(set(as_dict.get("llm_int8_skip_modules") or []) | set(unquantized_linears(model)))
+    as_dict = {**as_dict, "llm_int8_skip_modules": skip or None}
+    config.quantization_config = as_dict
+    log.info("saved unquantized (llm_int8_skip_modules): %s", ", ".join(skip) or "none")
