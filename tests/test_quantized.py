@@ -26,14 +26,17 @@ from blockfold.models.quantized import check_quantized_source, dequantized_weigh
 from blockfold.surgery.fold import fold_into_projection  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def nf4_folder(tmp_path_factory) -> Path:
-    """A tiny random llama quantized to NF4 by transformers on load and saved with save_pretrained."""
-    root = tmp_path_factory.mktemp("nf4")
+@pytest.fixture(scope="module", params=[("nf4", False), ("fp4", True)], ids=["nf4", "fp4-double-quant"])
+def nf4_folder(tmp_path_factory, request) -> Path:
+    """A tiny random llama quantized to 4 bits by transformers on load and saved with save_pretrained: NF4, and
+    FP4 with double quantization (its absmax quantized too, so more state tensors travel with each weight)."""
+    kind, double = request.param
+    root = tmp_path_factory.mktemp(kind)
     tiny_model("llama").save_pretrained(root / "float")
     quantized = AutoModelForCausalLM.from_pretrained(
         root / "float", device_map="cpu",
-        quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+        quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=kind,
+                                               bnb_4bit_use_double_quant=double,
                                                bnb_4bit_compute_dtype=torch.float32))
     quantized.save_pretrained(root / "nf4")
     tiny_tokenizer().save_pretrained(root / "nf4")
@@ -101,7 +104,7 @@ def test_compressed_4bit_checkpoint_keeps_untouched_weights_and_reloads(nf4_fold
     torch.testing.assert_close(reloaded(torch.tensor(ids)).logits, expected, rtol=1e-5, atol=1e-5)
     greedy = reloaded.generate(torch.tensor(ids), max_new_tokens=10, do_sample=False, pad_token_id=0)
     assert generate_without_blockfold(out, ids, tmp_path) == greedy.tolist()
-    assert "bitsandbytes nf4" in (out / "README.md").read_text()  # the card says how it is stored
+    assert f"bitsandbytes {config['bnb_4bit_quant_type']}" in (out / "README.md").read_text()  # the card says so
     with pytest.raises(BlockfoldError, match="quantized transformers checkpoint"):
         export_gguf(out, tmp_path / "rm2.gguf")
 
