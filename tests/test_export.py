@@ -400,3 +400,42 @@ def test_fresh_k_quant_export_reproduces_llama_quantize_bytes(tmp_path):
                                        dequantize(tensor.data, tensor.tensor_type), atol=0.05 * float(
                                            np.abs(dequantize(tensor.data, tensor.tensor_type)).max()))
     assert same / total > 0.9, same / total
+
+
+def test_architecture_fields_llama_cpp_reads_beyond_llama():
+    """Gemma-2's soft-capping and sliding window, a head size other than hidden / heads, linear and YaRN rope
+    scaling, and an unknown rope type refused with the way out."""
+    from transformers import Gemma2Config, Qwen3Config
+
+    from blockfold.export.gguf_metadata import config_metadata
+
+    gemma2 = {name: value for name, value, *_ in config_metadata(
+        Gemma2Config(hidden_size=64, num_attention_heads=4, head_dim=32, sliding_window=128, num_hidden_layers=2,
+                     intermediate_size=128, vocab_size=100), "gemma2", "g", None)}
+    assert gemma2["gemma2.attn_logit_softcapping"] == 50.0 and gemma2["gemma2.final_logit_softcapping"] == 30.0
+    assert gemma2["gemma2.attention.sliding_window"] == 128
+    assert gemma2["gemma2.attention.key_length"] == gemma2["gemma2.attention.value_length"] == 32
+    qwen = Qwen3Config(hidden_size=64, num_attention_heads=4, head_dim=16, num_hidden_layers=2, intermediate_size=128,
+                       vocab_size=100, max_position_embeddings=4096,
+                       rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
+                                        "original_max_position_embeddings": 1024})
+    fields = {name: value for name, value, *_ in config_metadata(qwen, "qwen3", "q", "apache-2.0")}
+    assert "qwen3.attention.key_length" not in fields  # 64 / 4 is llama.cpp's default already
+    assert (fields["qwen3.rope.scaling.type"], fields["qwen3.rope.scaling.factor"]) == ("yarn", 4.0)
+    assert fields["qwen3.rope.scaling.original_context_length"] == 1024 and fields["general.license"] == "apache-2.0"
+    qwen.rope_parameters = {"rope_type": "linear", "rope_theta": 1e6, "factor": 2.0}
+    fields = {name: value for name, value, *_ in config_metadata(qwen, "qwen3", "q", None)}
+    assert (fields["qwen3.rope.scaling.type"], fields["qwen3.rope.scaling.factor"]) == ("linear", 2.0)
+    qwen.rope_parameters = {"rope_type": "longrope", "rope_theta": 1e6}
+    with pytest.raises(BlockfoldError, match="convert_hf_to_gguf"):
+        config_metadata(qwen, "qwen3", "q", None)
+
+
+def test_sentencepiece_style_prefix_space_follows_the_normalizer():
+    """Llama-2 and Mistral prepend '▁' to the text (llama.cpp's add_space_prefix); Gemma does not."""
+    from blockfold.export.gguf_metadata import _prepends_space
+
+    llama2 = {"normalizer": {"type": "Sequence", "normalizers": [
+        {"type": "Prepend", "prepend": "\u2581"}, {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}]}}
+    gemma = {"normalizer": {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}}
+    assert _prepends_space(llama2) and not _prepends_space(gemma) and not _prepends_space({"normalizer": None})
