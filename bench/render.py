@@ -463,7 +463,62 @@ def render_serving(parts: list[dict]) -> str:
                   f"`{trip['source_gguf']}` ({trip['source_mb']:.0f} MB) perplexity {trip['source_perplexity']:.2f}; "
                   f"{entry['variants'][1]['variant']} exported with `--quant source` ({trip['exported_mb']:.0f} MB) "
                   f"{trip['round_trip_perplexity']:.2f}.", ""]
-    return "\n".join([*lines, *_footer(parts)])
+    lines += _footer(parts)
+    for part in parts:
+        if "llamacpp" in part:
+            lines += ["", *_render_llamacpp_export(part["llamacpp"])]
+    return "\n".join(lines)
+
+
+def _tokens_cell(row: dict) -> str:
+    return f"{_engine_cell(row)}; tokenization {row['tokenization_agrees']}/{row['prompts']}"
+
+
+def _rate_cell(row: dict, base: dict, key: str) -> str:
+    text = f"{row[key]:.0f}" if row[key] >= 100 else f"{row[key]:.1f}"
+    return text if row is base else f"{text} (**{row[key] / base[key]:.2f}x**)"
+
+
+def _render_llamacpp_export(results: dict) -> list[str]:
+    """Issue #14's llama.cpp items: export from plain Hugging Face folders, fresh K-quant files, and
+    throughput from llama.cpp's own counters."""
+    lines = ["### llama.cpp: export from a plain Hugging Face folder, fresh K-quants, throughput inside llama.cpp", "",
+             "Each model's converted folder without its record of the source GGUF (so `blockfold export` builds "
+             "llama.cpp's metadata from config.json and tokenizer.json), and ReplaceMe compressed from that folder "
+             "(same calibration as above), exported at each type from the folder. Greedy tokens against transformers "
+             f"(float32) on the same {results['prompts']} prompts × {results['new_tokens']} new tokens, with "
+             "llama.cpp's tokenization of the same texts; perplexity on the round trip's "
+             f"{results['ppl_windows']} WikiText-2 windows of 512 tokens; prefill (64-token prompts) and decode "
+             "tokens/s from llama.cpp's own performance counters (time inside its decode calls, "
+             f"{results['threads']} threads, one prompt at a time after an untimed warm-up), the fastest of "
+             f"{results['throughput_rounds']} runs taken in turn with the original's"
+             + (f", each started once the machine was {results['idle_share']:.0%} idle" if "idle_share" in results
+                else "") + "; ratios against the original at the same type.", ""]
+    for entry in results["models"]:
+        variants = entry["variants"]
+        base = variants[0]["exports"]
+        trip = entry["round_trip"]
+        origin = "no GGUF record" if not entry["source_has_gguf_record"] else "a GGUF record (not a plain folder)"
+        same = "the same weights, bit for bit, as" if entry["same_weights_as_from_gguf"] else "other weights than"
+        lines += [f"**{entry['model']}** ({variants[1]['variant']} compressed from the plain folder: its manifest's "
+                  f"source has {origin}; {same} compressed from the GGUF-converted folder)", "",
+                  "| variant | export | GGUF | greedy tokens | WikiText-2 ppl | prefill tok/s | decode tok/s | "
+                  "timed in Python: prefill / decode tok/s |", "|---|---|---|---|---|---|---|---|"]
+        for quant in base:
+            for variant in variants:
+                row = variant["exports"][quant]
+                python = [max(one[f"python_{key}"] for one in row["throughput_rounds"])
+                          for key in ("prefill_tokens_per_s", "decode_tokens_per_s")]
+                lines.append(f"| {variant['variant']} | `--quant {quant}` from the folder | {row['gguf_mb']:.0f} MB | "
+                             f"{_tokens_cell(row)} | {row['perplexity']:.2f} | "
+                             f"{_rate_cell(row, base[quant], 'prefill_tokens_per_s')} | "
+                             f"{_rate_cell(row, base[quant], 'decode_tokens_per_s')} | "
+                             f"{python[0]:.0f} / {python[1]:.1f} |")
+        lines += [f"| original | `{trip['source_gguf']}` (the source) | {trip['source_mb']:.0f} MB | - | "
+                  f"{trip['source_perplexity']:.2f} | - | - | - |",
+                  f"| {variants[1]['variant']} from the GGUF | `--quant source` | {trip['exported_mb']:.0f} MB | - | "
+                  f"{trip['round_trip_perplexity']:.2f} | - | - | - |", ""]
+    return [*lines, *_footer([results])]
 
 
 #: section name → (results file or files, renderer); a section renders only where BENCHMARKS.md has its markers

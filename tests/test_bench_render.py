@@ -143,3 +143,44 @@ def test_fold_choice_table_marks_the_better_fold_and_a_failed_fit(render):
                                        "provenance": PROVENANCE})
     assert "| 1 | **100.00** | 150.00 |" in table and "| 2 | **90.00** | fit not finite |" in table
     assert "| objective on the fit sample (version 3's auto) | 1 of 2 | 1.225 | 1.500 |" in table
+
+
+def test_serving_section_adds_the_llamacpp_export_rows_with_their_own_provenance(render):
+    """bench/serving.py --part llamacpp merges into the serving JSON; its rows render after the engine
+    tables, ratios against the original at the same type, with the run that measured them."""
+    def export(mb, ppl, prefill, decode, matching=20):
+        rounds = [{"prefill_tokens_per_s": prefill / 2, "decode_tokens_per_s": decode / 2,
+                   "python_prefill_tokens_per_s": prefill / 2, "python_decode_tokens_per_s": decode / 2},
+                  {"prefill_tokens_per_s": prefill, "decode_tokens_per_s": decode,
+                   "python_prefill_tokens_per_s": prefill * 0.9, "python_decode_tokens_per_s": decode * 0.9}]
+        return {"matching": matching, "prompts": 20, "gaps_where_parted": [0.0017] * (20 - matching),
+                "tokenization_agrees": 20, "gguf_mb": mb, "perplexity": ppl, "prefill_tokens_per_s": prefill,
+                "decode_tokens_per_s": decode, "throughput_rounds": rounds}
+    row = {"matching": 20, "prompts": 20, "gaps_where_parted": [], "tokenization_agrees": 20,
+           "prefill_tokens_per_s": 100.0, "decode_tokens_per_s": 10.0}
+    trip = {"source_gguf": "m.Q4_1.gguf", "source_mb": 98.4, "exported_mb": 81.0, "windows": 20,
+            "source_perplexity": 36.02, "round_trip_perplexity": 126.92}
+    engines = {"provenance": PROVENANCE, "prompts": 20, "new_tokens": 16, "threads": 2, "models": [
+        {"model": "m", "round_trip": trip, "variants": [{"variant": "original", "engines": {"llamacpp-f16": row}},
+                                                       {"variant": "replaceme-8", "engines": {"llamacpp-f16": row}}]}]}
+    llamacpp = {"provenance": {**PROVENANCE, "command": "bench/serving.py --part llamacpp"}, "prompts": 20,
+                "new_tokens": 16, "threads": 2, "ppl_windows": 20, "throughput_rounds": 2, "idle_share": 0.9, "models": [{
+                    "model": "m", "source_has_gguf_record": False, "same_weights_as_from_gguf": True, "round_trip": trip,
+                    "variants": [{"variant": "original", "exports": {"f16": export(271.0, 36.5, 400.0, 50.0, 19),
+                                                                     "q4_k_m": export(105.0, 37.9, 500.0, 80.0)}},
+                                 {"variant": "replaceme-8", "exports": {"f16": export(214.0, 126.8, 520.0, 65.0),
+                                                                        "q4_k_m": export(86.0, 131.0, 650.0, 100.0)}}]}]}
+    plain = render.render_serving([engines])
+    table = render.render_serving([{**engines, "llamacpp": llamacpp}])
+    assert table.startswith(plain) and "fresh K-quants" not in plain
+    assert "its manifest's source has no GGUF record; the same weights, bit for bit" in table
+    assert "the fastest of 2 runs taken in turn with the original's, each started once the machine was 90% idle" in table
+    assert "| original | `--quant f16` from the folder | 271 MB | 19/20 (parted at gaps 0.002); tokenization 20/20 | " \
+           "36.50 | 400 | 50.0 | 360 / 45.0 |" in table
+    assert "| replaceme-8 | `--quant f16` from the folder | 214 MB | 20/20; tokenization 20/20 | 126.80 | " \
+           "520 (**1.30x**) | 65.0 (**1.30x**) |" in table
+    assert "| replaceme-8 | `--quant q4_k_m` from the folder | 86 MB | 20/20; tokenization 20/20 | 131.00 | " \
+           "650 (**1.30x**) | 100 (**1.25x**) |" in table  # against the original's q4_k_m, not its f16
+    assert "| original | `m.Q4_1.gguf` (the source) | 98 MB | - | 36.02 |" in table
+    assert "| replaceme-8 from the GGUF | `--quant source` | 81 MB | - | 126.92 |" in table
+    assert table.index("- `bench/x.py`") < table.index("### llama.cpp") < table.index("- `bench/serving.py --part llamacpp`")

@@ -35,3 +35,27 @@ def test_provenance_marks_code_changes_dirty_but_not_results_or_prose(tmp_path, 
     assert api.git_commit() == "abc123"
     monkeypatch.setattr(api.subprocess, "run", status(" M bench/results/x.json\n M src/blockfold/api.py\n"))
     assert api.git_commit() == "abc123+dirty"
+
+
+def test_serving_bench_makes_a_plain_folder_and_each_part_keeps_the_other(tmp_path):
+    """bench/serving.py --part llamacpp: the converted folder without its GGUF record, and a merge into
+    the serving JSON that leaves the engine rows (vLLM's among them) as they are."""
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("bench_serving", BENCH / "serving.py")
+    serving = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(serving)
+    converted = tmp_path / "converted"
+    converted.mkdir()
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "blockfold_source.json"):
+        (converted / name).write_text(name)
+    plain = serving.plain_folder(converted, tmp_path / "plain")
+    assert sorted(p.name for p in plain.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]
+    assert (plain / "model.safetensors").is_symlink() and (plain / "model.safetensors").read_text() == "model.safetensors"
+    assert serving.plain_folder(converted, tmp_path / "plain") == plain  # again: the links are there already
+    results = tmp_path / "serving.json"
+    results.write_text(json.dumps({"provenance": {}, "models": [{"model": "m", "variants": ["vllm rows"]}]}))
+    merged = serving._merged(results, {"llamacpp": {"models": []}})
+    assert merged["models"] == [{"model": "m", "variants": ["vllm rows"]}] and merged["llamacpp"] == {"models": []}
+    assert serving._merged(tmp_path / "absent.json", {"llamacpp": {}}) == {"llamacpp": {}}

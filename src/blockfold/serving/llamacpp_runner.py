@@ -1,5 +1,9 @@
 """Greedy tokens, speed and perplexity of a GGUF file in llama.cpp (through llama-cpp-python).
 
+Speed comes two ways: seconds timed here around each call (what a Python caller sees, per-token
+overhead included), and llama.cpp's own performance counters (``engine``: the time its decode calls
+took, prefill batches and single tokens apart), which say what the model's layers cost.
+
 Runs inside the engine's own environment, which has no blockfold: standard library, numpy and
 llama_cpp only. Reads a request (JSON) and writes the results (JSON):
 
@@ -12,6 +16,7 @@ import json
 import sys
 import time
 
+import llama_cpp
 import numpy as np
 from llama_cpp import Llama
 
@@ -49,6 +54,15 @@ def negative_log_likelihood(llm: Llama, window: list[int]) -> float:
     return float(-log_probs[np.arange(len(window) - 1), window[1:]].sum())
 
 
+def engine_counters(llm: Llama) -> dict:
+    """llama.cpp's counters since their last reset: milliseconds and tokens of its multi-token decode
+    calls (prefill) and of its single-token ones (decode), measured inside the library from each
+    decode call to the synchronisation that reads its logits."""
+    data = llama_cpp.llama_perf_context(llm._ctx.ctx)
+    return {"prefill_ms": data.t_p_eval_ms, "prefill_tokens": data.n_p_eval,
+            "decode_ms": data.t_eval_ms, "decode_tokens": data.n_eval}
+
+
 def main() -> None:
     request = json.loads(open(sys.argv[1]).read())
     windows = request.get("perplexity_windows") or []
@@ -56,6 +70,9 @@ def main() -> None:
     llm = Llama(model_path=request["model"], n_ctx=context, n_threads=request.get("threads", 2),
                 n_batch=context, logits_all=bool(windows), verbose=False)
     result = {"tokens": [], "prefill_seconds": 0.0, "decode_seconds": 0.0, "prefill_tokens": 0, "decode_tokens": 0}
+    if request.get("warmup") and request["prompts"]:  # first touches of the mapped weights and buffers, untimed
+        greedy(llm, request["prompts"][0], min(2, request["new_tokens"]))
+    llama_cpp.llama_perf_context_reset(llm._ctx.ctx)
     for prompt in request["prompts"]:
         tokens, prefill, decode = greedy(llm, prompt, request["new_tokens"])
         result["tokens"].append(tokens)
@@ -63,6 +80,7 @@ def main() -> None:
         result["decode_seconds"] += decode
         result["prefill_tokens"] += len(prompt)
         result["decode_tokens"] += len(tokens) - 1
+    result["engine"] = engine_counters(llm)
     result["tokenized"] = [llm.tokenize(text.encode(), add_bos=True, special=False)
                            for text in request.get("texts", [])]
     if windows:
