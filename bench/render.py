@@ -521,11 +521,36 @@ def _render_llamacpp_export(results: dict) -> list[str]:
     return [*lines, *_footer([results])]
 
 
+def render_quantized_input(results: dict) -> str:
+    """Issue #14: a bitsandbytes 4-bit checkpoint compressed as it runs, beside the float model with the same recipe."""
+    rows = results["rows"]
+    recipe = results.get("recipe") or {}
+    lines = [f"{results['model']}, ReplaceMe {results['blocks']} blocks with recipe version "
+             f"{recipe.get('recipe_version')}'s defaults (calibration: {recipe.get('calibration', {}).get('source')}, "
+             f"{recipe.get('calibration', {}).get('max_documents')} documents), from the float checkpoint and from its "
+             "NF4 copy (quantized by transformers on load and saved); WikiText-2 perplexity on the first "
+             f"{results['ppl_windows']} windows of 512 tokens.", "",
+             "| checkpoint | model | removed blocks | weight files | WikiText-2 ppl | ratio to its original | "
+             "compress time | stored unquantized |", "|---|---|---|---|---|---|---|---|"]
+    originals = {row["precision"]: row for row in rows if row["model"] == "original"}
+    for row in rows:
+        original = originals[row["precision"]]
+        compressed = row["model"] != "original"
+        seconds = f"{row['compress_seconds']:.0f} s" if compressed else "-"
+        lines.append(f"| {row['precision']} | {row['model']} | {_span(row['removed_blocks']) if compressed else '-'} | "
+                     f"{row['weight_bytes'] / 1e6:.0f} MB | {row['perplexity']:.2f} | "
+                     f"{row['perplexity'] / original['perplexity']:.2f}x | "
+                     f"{seconds} | "
+                     f"{', '.join(row.get('skip_modules') or []) or '-'} |")
+    return "\n".join([*lines, "", *_footer([results])])
+
+
 #: section name → (results file or files, renderer); a section renders only where BENCHMARKS.md has its markers
 SECTIONS: dict[str, tuple[str | tuple[str, ...], Callable]] = {
     "scale": ("scale.json", render_scale),
     "scale-out": ("scale_out.json", render_scale_out),
     "serving": (("serving.json", "serving_gemma.json"), render_serving),
+    "quantized-input": ("quantized_input.json", render_quantized_input),
     "packing": ("calibration_packing.json", render_packing),
     "healing": (("healing.json", "healing_v3_through_norm.json"), render_healing),
     "gemma": (("gemma_sandwich.json", "gemma_placement.json"), render_gemma),
