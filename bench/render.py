@@ -545,12 +545,43 @@ def render_quantized_input(results: dict) -> str:
     return "\n".join([*lines, "", *_footer([results])])
 
 
+def render_new_methods(parts: list[dict]) -> str:
+    """Issue #16: the new methods beside the baselines, one table per model and budget (rows from every
+    run of it, each compress time in passes of its own run), perplexity on the reported and held-out texts."""
+    groups: dict[tuple, list[dict]] = {}
+    for results in parts:
+        groups.setdefault((results["model"], results["blocks"]), []).append(results)
+    lines = []
+    for (model, blocks), runs in groups.items():
+        first = runs[0]
+        texts = list(first["original"]["perplexity"])
+        calibration = first["calibration"]
+        lines += [f"### {model}, {blocks} blocks removed", "",
+                  f"Calibration {calibration.get('source')} ({calibration.get('sequences')} x "
+                  f"{calibration.get('sequence_length')} tokens). Compress cost in passes of the calibration set "
+                  "through the original: block forwards counted by hooks (machine-independent), and wall time over "
+                  "one pass timed in the same run (this machine).", "",
+                  "| method | removed blocks | " + " | ".join(texts) + " | block forwards | wall time | parameters |",
+                  "|---|---|" + "---|" * len(texts) + "---|---|---|",
+                  "| original | - | " + " | ".join(f"{first['original']['perplexity'][t]:.2f}" for t in texts)
+                  + f" | - | - | {first['original']['parameters'] / 1e6:.1f} M |"]
+        for results in runs:
+            for row in results["rows"]:
+                forwards = f"{row['forward_passes']:.2f}" if "forward_passes" in row else "-"
+                lines.append(f"| {row['method']} | {_span(row['removed_blocks'])} | "
+                             + " | ".join(f"{row['perplexity'][t]:.2f}" for t in texts)
+                             + f" | {forwards} | {row['compress_passes']:.1f} | {row['parameters'] / 1e6:.1f} M |")
+        lines += ["", *_footer(runs), ""]
+    return "\n".join(lines).rstrip()
+
+
 #: section name → (results file or files, renderer); a section renders only where BENCHMARKS.md has its markers
 SECTIONS: dict[str, tuple[str | tuple[str, ...], Callable]] = {
     "scale": ("scale.json", render_scale),
     "scale-out": ("scale_out.json", render_scale_out),
     "serving": (("serving.json", "serving_gemma.json"), render_serving),
     "quantized-input": ("quantized_input.json", render_quantized_input),
+    "new-methods": (("new_methods.json",), render_new_methods),
     "packing": ("calibration_packing.json", render_packing),
     "healing": (("healing.json", "healing_v3_through_norm.json"), render_healing),
     "gemma": (("gemma_sandwich.json", "gemma_placement.json"), render_gemma),

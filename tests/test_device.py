@@ -41,6 +41,9 @@ CASES = [
     ("llama", {"method": "nbl", "attention_layers": 2}),
     ("qwen2", {"method": "nbl-block", "blocks": 2}),
     ("llama", {"method": "sleb", "blocks": 1}),
+    ("gemma3_text", {"method": "prune-comp", "blocks": 2}),
+    ("llama", {"method": "laco", "blocks": 2, "merge_layers": 2}),
+    ("gemma3_text", {"method": "linear-patch", "blocks": 2}),
 ]
 
 

@@ -66,6 +66,10 @@ def test_sequential_replaceme_equals_whole_model(arch, tmp_path):
 @pytest.mark.parametrize("recipe", [{"method": "nbl", "attention_layers": 2}, {"method": "nbl-block", "blocks": 2},
                                     {"method": "uidl", "blocks": 2}, {"method": "drop-block", "blocks": 2},
                                     {"method": "drop-attn", "attention_layers": 2}, {"method": "sleb", "blocks": 1},
+                                    {"method": "prune-comp", "blocks": 2},
+                                    {"method": "prune-comp", "blocks": 1, "importance": "perplexity"},
+                                    {"method": "laco", "blocks": 3, "merge_layers": 3},
+                                    {"method": "linear-patch", "blocks": 2}, {"method": "linear-patch", "blocks": 2, "patch": "full"},
                                     {"blocks": 3, "spans": 2}, {"blocks": 2, "greedy": True}])
 def test_every_method_runs_layer_by_layer_with_the_same_result(recipe, tmp_path):
     folder = _saved_folder("llama", tmp_path)

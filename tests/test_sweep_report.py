@@ -178,3 +178,18 @@ def test_placement_rows_measure_the_model_compress_builds_on_sandwich_blocks(tin
                                    calibration=calibration)
         assert row["regime"] == built.manifest["transform"]["regime"]
         assert row["perplexity"] == pytest.approx(perplexity(built.model, windows)["perplexity"], rel=1e-5)
+
+
+def test_sweep_compares_the_new_methods_in_one_run(tiny_and_corpus, tmp_path):
+    """Issue #16: Prune&Comp, LaCo and LinearPatch join the sweep beside the baselines."""
+    folder, corpus = tiny_and_corpus
+    out = tmp_path / "run"
+    assert main(["sweep", "--model", str(folder), "--out", str(out), "--methods", "prune-comp,laco,linear-patch,uidl",
+                 "--blocks", "2", "--calib", str(corpus), "--num-seqs", "8", "--seq-len", "32", "--ppl", str(corpus),
+                 "--ppl-windows", "2"]) == 0
+    sweep = json.loads((out / "sweep.json").read_text())
+    assert [r["method"] for r in sweep["runs"]] == ["prune-comp", "laco", "linear-patch", "uidl"]
+    for run in sweep["runs"]:
+        assert len(run["removed_blocks"]) == 2 and run["perplexity"] > 0
+        assert run["parameters"]["parameters"] < sweep["original"]["parameters"]["parameters"]
+    assert main(["report", str(out)]) == 0

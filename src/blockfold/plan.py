@@ -92,6 +92,7 @@ def plan_for(spec: str, recipe: Recipe, execution: Execution, accelerator_memory
     from blockfold.pipelines import ACTIVATION_SHARE, CPU_ACTIVATION_BYTES, STATS_SHARE
     from blockfold.select import split_budget
     from blockfold.stats import SpanStatistics, SublayerLinearity
+    from blockfold.stats.magnitude import BoundaryEquations, StreamMagnitude
     from blockfold.stats.similarity import StreamSimilarity
 
     config = _config(spec)
@@ -191,6 +192,27 @@ def plan_for(spec: str, recipe: Recipe, execution: Execution, accelerator_memory
     elif recipe.method == "drop-block":
         observers.append(SpanStatistics(num_layers, 1))
         notes.append("distances only")
+    elif recipe.method == "prune-comp":
+        n = settings.num_blocks(num_layers)
+        observers.extend([SpanStatistics(num_layers, 1), StreamMagnitude(num_layers)])
+        passes = n if settings.importance == "block_influence" else 2 * n
+        notes.append("distances and per-channel magnitudes, one pass per removed block"
+                     + ("" if settings.importance == "block_influence" else
+                        f" after one stream per candidate block ({gib(num_layers * tokens * d * element)})"))
+    elif recipe.method == "linear-patch":
+        n = settings.num_blocks(num_layers)
+        observers.extend([SpanStatistics(num_layers, n), BoundaryEquations(1, 1 + n)])
+        sums, passes = 2 * d * d * 8, 2
+        stats_flops_per_token = 4 * d * d + (2 * d * d if settings.patch == "hadamard" else 0)
+        notes.append("span distances, then the chosen span's boundary normal equations"
+                     + (" and rotated magnitudes" if settings.patch == "hadamard" else ""))
+    elif recipe.method == "laco":
+        n = settings.num_blocks(num_layers)
+        rounds = math.ceil(n / (settings.merge_layers - 1))
+        share = min(settings.similarity_sequences, calibration.num_sequences) / calibration.num_sequences
+        passes = math.ceil(share * (1 + rounds * (num_layers + 1) / 2))  # about L²/2 blocks per round
+        notes.append(f"{rounds} round(s), each one stream per candidate merge over {settings.similarity_sequences} "
+                     f"sequences ({gib(num_layers * settings.similarity_sequences * calibration.sequence_length * d * element)})")
     elif recipe.method == "sleb":
         n = settings.num_blocks(num_layers)
         passes = n

@@ -209,7 +209,48 @@ class SLEB(BlockBudget):
     method: ClassVar[str] = "sleb"
 
 
+class PruneComp(BlockBudget):
+    """Prune&Comp: remove blocks one per round by an importance measured on the model as pruned so far,
+    and compensate the magnitude each leaves missing with a scalar folded into existing weights."""
+
+    method: ClassVar[str] = "prune-comp"
+    # block_influence: 1 − mean cos(h_in, h_out) per block (the paper's CosSim(BI) example);
+    # perplexity: calibration perplexity with the block skipped (its PPL metric, SLEB's)
+    importance: Literal["block_influence", "perplexity"] = "block_influence"
+    compensate: bool = True  # False: iterative removal alone (the paper's ablation)
+
+
+class LaCo(BlockBudget):
+    """LaCo: consecutive blocks collapsed into the first of them (its weights plus the others' differences
+    from them), where the collapse keeps the last block's output most like the original model's."""
+
+    method: ClassVar[str] = "laco"
+    merge_layers: int = Field(4, ge=2)  # blocks collapsed into one per merge (the paper's C = 4)
+    # calibration sequences the similarity is measured on (the paper's few sentences)
+    similarity_sequences: int = Field(8, ge=1)
+
+
+class LinearPatch(BlockBudget):
+    """LinearPatch: the span whose input and output are most alike removed, one linear patch on the residual
+    stream in its place (a linear block: not a standard checkpoint, the modeling code ships with it)."""
+
+    method: ClassVar[str] = "linear-patch"
+    # the paper's selection: the span of highest mean cosine between its input and output
+    criterion: Literal["block_influence", "angular_all", "angular_last"] = "block_influence"
+    span_start: int | None = Field(None, ge=1)
+    # hadamard: the paper's H D Hᵀ (D from rotated magnitudes); full: least squares on the stream
+    patch: Literal["hadamard", "full"] = "hadamard"
+    ridge_alpha: float = Field(0.0, ge=0)  # full only: L2 penalty per calibration token
+
+    @model_validator(mode="after")
+    def _ridge_for_full(self):
+        if self.ridge_alpha and self.patch != "full":
+            raise ValueError("ridge_alpha (--ridge-alpha) applies to the least-squares patch only: add --patch full")
+        return self
+
+
 #: method name → its settings class
 SETTINGS: dict[str, type[MethodSettings]] = {
-    cls.method: cls for cls in (ReplaceMe, UIDL, NBL, NBLBlock, DropAttention, DropBlock, SLEB)
+    cls.method: cls for cls in (ReplaceMe, UIDL, NBL, NBLBlock, DropAttention, DropBlock, SLEB, PruneComp, LaCo,
+                                LinearPatch)
 }

@@ -44,6 +44,7 @@ PHI = DecoderAdapter(
     model_types=("phi",),
     pre_mlp_norm_attr="input_layernorm",
     down_proj_attr="fc2",
+    attention_output_attr="dense",
     final_norm_attr="final_layernorm",
 )
 
@@ -53,6 +54,7 @@ GPT_NEOX = DecoderAdapter(
     decoder_attr="gpt_neox",
     attention_attr="attention",
     down_proj_attr="dense_4h_to_h",
+    attention_output_attr="dense",
     final_norm_attr="final_layer_norm",
 )
 

@@ -48,6 +48,8 @@ class DecoderAdapter:
     attention_attr: str = "self_attn"
     mlp_attr: str = "mlp"
     down_proj_attr: str = "down_proj"
+    # the attention's output projection, inside ``attention_attr``
+    attention_output_attr: str = "o_proj"
     input_norm_attr: str = "input_layernorm"
     # the norm whose output the MLP reads (Llama names it post_attention_layernorm)
     pre_mlp_norm_attr: str = "post_attention_layernorm"
@@ -89,6 +91,30 @@ class DecoderAdapter:
     def is_sparse(self, layer: nn.Module) -> bool:
         """True when the block's MLP is a mixture of experts."""
         return False
+
+    def attention_output_projection(self, layer: nn.Module) -> Projection:
+        """The weight whose output the attention sublayer adds to the residual (before a post-attention norm)."""
+        projection = getattr(self.attention(layer), self.attention_output_attr, None)
+        if not isinstance(projection, nn.Linear):
+            raise BlockfoldError(f"{self.name}: this block's attention has no output projection "
+                                 f"{self.attention_output_attr!r} (a linearized sublayer?); this operation needs one")
+        return Projection(projection)
+
+    def residual_writers(self, layer: nn.Module) -> tuple[list[nn.Module], list[Projection]]:
+        """What sets the size of the block's two contributions to the residual stream: the norm that
+        ends a sublayer where there is one (its gain scales the contribution), else the sublayer's
+        output projections. Scaling all of them by c scales what the block adds by c, exactly."""
+        norms, projections = [], []
+        if self.post_attention_norm:
+            norms.append(getattr(layer, self.post_attention_norm))
+        else:
+            projections.append(self.attention_output_projection(layer))
+        mlp_norm = self.mlp_norm(layer)
+        if mlp_norm is not None:
+            norms.append(mlp_norm)
+        else:
+            projections.extend(self.mlp_output_projections(layer))
+        return norms, projections
 
     def renumber_config(self, config, keep: list[int], sparse: list[bool]) -> None:
         """Fix the config fields that say which layer is which kind, after only ``keep`` (old

@@ -154,7 +154,7 @@ def _plan(model: Path, quant: str, tokenizer_pre: str | None = None) -> _Plan:
         raise BlockfoldError(
             f"{model} replaces sublayers by linear maps (NBL), which no llama.cpp architecture expresses (a layer "
             "whose attention is `W x + b` with no KV cache): serve it with transformers, or export a depth-pruned "
-            "output (replaceme, uidl, drop-block, sleb)")
+            "output (replaceme, uidl, drop-block, sleb, prune-comp)")
     if model_type not in ARCHITECTURES:
         raise BlockfoldError(f"GGUF export supports model types {', '.join(ARCHITECTURES)}; {model} is "
                              f"{model_type!r}")

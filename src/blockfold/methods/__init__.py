@@ -11,6 +11,9 @@ from typing import Callable
 
 from blockfold.methods.base import Job, PassCache
 from blockfold.methods.baselines import compress_drop_blocks, compress_uidl
+from blockfold.methods.prune_comp import compress_prune_comp
+from blockfold.methods.laco import compress_laco
+from blockfold.methods.linear_patch import compress_linear_patch
 from blockfold.methods.nbl import compress_drop_attention, compress_nbl, compress_nbl_block
 from blockfold.methods.replaceme import compress_replaceme
 from blockfold.methods.sleb import compress_sleb
@@ -24,6 +27,9 @@ METHODS: dict[str, Callable[[Job], dict]] = {
     "drop-attn": compress_drop_attention,
     "drop-block": compress_drop_blocks,
     "sleb": compress_sleb,
+    "prune-comp": compress_prune_comp,
+    "laco": compress_laco,
+    "linear-patch": compress_linear_patch,
 }
 
 __all__ = ["METHODS", "Job", "PassCache"]

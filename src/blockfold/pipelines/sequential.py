@@ -90,14 +90,18 @@ class LayerProgram:
     def set_hidden(self, number: int, hidden: torch.Tensor) -> None:
         self.store.put(f"h{number}", hidden)
 
+    def run_in_place_of(self, index: int, module: nn.Module, hidden: torch.Tensor, number: int) -> torch.Tensor:
+        """``module`` (a loaded block) run where block ``index`` runs: with its masks, positions and rotary tables."""
+        args, kwargs = self._inputs[number][index]
+        return first(module(hidden, *args, **kwargs))
+
     @contextlib.contextmanager
     def layer(self, index: int) -> Iterator:
         """Block ``index`` loaded; yields ``(block, run)`` with ``run(hidden, batch_number) -> output``."""
         block = self.handle.layers()[index]
 
         def run(hidden: torch.Tensor, number: int) -> torch.Tensor:
-            args, kwargs = self._inputs[number][index]
-            return first(block(hidden, *args, **kwargs))
+            return self.run_in_place_of(index, block, hidden, number)
 
         with self.handle.materialized(block), torch.no_grad():
             yield block, run

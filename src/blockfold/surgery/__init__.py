@@ -1,6 +1,8 @@
 """Model surgery: folding transforms, removing blocks, saving atomically."""
 
-from blockfold.surgery.fold import fold_into_down_proj, fold_into_mlp_output, fold_through_linearized_norm
+from blockfold.surgery.fold import (
+    fold_into_down_proj, fold_into_mlp_output, fold_through_linearized_norm, scale_block_output,
+)
 from blockfold.surgery.linearize import (
     LINEARIZED_FIELD, linearized_entries, register_linearized_classes, replace_sublayers,
 )
@@ -12,4 +14,5 @@ from blockfold.surgery.save import (
 
 __all__ = ["LINEARIZED_FIELD", "MANIFEST_NAME", "RECIPE_NAME", "check_output_folder", "fold_into_down_proj",
            "fold_into_mlp_output", "fold_through_linearized_norm", "linearized_entries", "read_manifest", "register_linearized_classes",
-           "remove_blocks", "replace_sublayers", "resume_folder", "save_compressed", "staged_folder", "write_checkpoint"]
+           "remove_blocks", "replace_sublayers", "resume_folder", "save_compressed", "scale_block_output", "staged_folder",
+           "write_checkpoint"]

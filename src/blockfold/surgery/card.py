@@ -68,6 +68,21 @@ def _what_was_done(manifest: dict) -> str:
                           f"{span['transform'].get('estimator')} map folded into block {span['folded_into_block']}'s "
                           "down-projection" for span in spans)
         text += f", each removed span replaced by a linear map fitted on {data} ({folds}). No parameters were added."
+    elif manifest.get("collapsed"):
+        merges = "; ".join(f"blocks {', '.join(map(str, merge['blocks']))} into block {merge['into']}"
+                           for merge in manifest["collapsed"])
+        text += (f", collapsed (LaCo) into the block before them: its attention and MLP weights plus each collapsed "
+                 f"block's difference from them ({merges}). No parameters were added.")
+    elif manifest.get("patch"):
+        patch = manifest["patch"]
+        form = ("the Hadamard-rotated channel scaling H D H^T (LinearPatch)" if patch.get("form") == "hadamard"
+                else "a least-squares map on the residual stream")
+        text += (f"; block {patch['block']} of the result is a linear patch on the residual stream, h -> h P, P "
+                 f"{form} fitted on {data}. It adds d x d parameters and keeps no KV cache.")
+    elif manifest.get("compensation"):
+        scales = ", ".join(f"{s:.3f}" for s in manifest["compensation"]["scales"])
+        text += (f"; after each removal the residual stream's missing magnitude was compensated (Prune&Comp) by "
+                 f"scaling what the later blocks add by 1/s, s = {scales}, measured on {data}. No parameters were added.")
     else:
         text += " with no map in their place."
     return text

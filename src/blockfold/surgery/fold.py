@@ -55,3 +55,18 @@ def fold_through_linearized_norm(
     weight = (eps**0.5) / c - adapter.norm_weight_offset
     handle.transform(norm, "weight", lambda current: torch.full_like(current, weight))
     return c
+
+
+def scale_block_output(handle: ModelHandle, layer: nn.Module, factor: float) -> None:
+    """Make everything ``layer`` adds to the residual stream ``factor`` times as large, exactly: the
+    gain of a norm that ends a sublayer (Gemma's post-norms), else the output projections' weights
+    and biases (every expert's in a mixture)."""
+    adapter = handle.adapter
+    norms, projections = adapter.residual_writers(layer)
+    offset = adapter.norm_weight_offset
+    for norm in norms:
+        handle.transform(norm, "weight", lambda weight: (weight + offset) * factor - offset)
+    for projection in projections:
+        handle.transform(projection.module, projection.weight, lambda weight: weight * factor)
+        if projection.bias is not None and getattr(projection.module, projection.bias, None) is not None:
+            handle.transform(projection.module, projection.bias, lambda bias: bias * factor)

@@ -1,0 +1,109 @@
+"""Issue #16's methods against the baselines on a real model, at one budget, in one run: WikiText-2
+perplexity on the windows the project reports (0-39) and on held-out text (later WikiText-2
+windows, C4 documents the calibration never saw, LAMBADA passages), the compress time in units of
+one calibration pass (a ratio measured in the same run, so only as steady as the machine), the block
+forward passes compress ran, counted by hooks on the decoder blocks, in units of one pass of the
+calibration set through every block of the original (machine-independent), and the parameter count.
+
+    .venv/bin/python bench/new_methods.py --model smollm2-135m --blocks 8
+    .venv/bin/python bench/new_methods.py --model gemma3-270m --blocks 4 --methods prune-comp,laco,linear-patch
+
+Each method is ``blockfold.compress`` with its defaults (``method:key=value`` changes one setting,
+e.g. ``prune-comp:compensate=false`` for the paper's ablation) on the issue-2 recipe: c4_demo
+documents 0-127, 64 x 512 tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+import time
+from pathlib import Path
+
+import blockfold
+from blockfold.adapters import get_adapter
+from blockfold.api import as_handle, count_parameters, provenance
+from blockfold.data import build_calibration
+from blockfold.pipelines import Runner
+from blockfold.recipe import CalibrationConfig, Recipe
+from blockfold.stats import SpanStatistics
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from defaults_validation import CALIBRATION_DOCUMENTS, DATA, evaluation_texts, measure  # noqa: E402
+
+
+def count_block_tokens(model) -> list[int]:
+    """A counter of the token positions every decoder block of ``model`` (and every copy of one) is run on."""
+    counter = [0]
+
+    def count(module, args, kwargs):
+        hidden = args[0] if args else kwargs["hidden_states"]
+        counter[0] += hidden.shape[0] * hidden.shape[1] if hidden.dim() == 3 else hidden.shape[0]
+
+    for layer in get_adapter(model).layers(model):
+        layer.register_forward_pre_hook(count, with_kwargs=True)
+    return counter
+
+
+def parse_method(spec: str) -> tuple[str, dict]:
+    """``prune-comp:compensate=false,importance=perplexity`` → ("prune-comp", {...})."""
+    method, _, rest = spec.partition(":")
+    settings = {}
+    for item in filter(None, rest.split(";")):
+        key, _, value = item.partition("=")
+        settings[key] = {"true": True, "false": False}.get(value.lower(), value)
+    return method, settings
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--blocks", type=int, default=8)
+    parser.add_argument("--methods", default="replaceme,prune-comp,prune-comp:compensate=false,laco,linear-patch,"
+                                              "linear-patch:patch=full,drop-block,uidl",
+                        help="comma-separated; method:key=value;key=value changes settings")
+    parser.add_argument("--windows", type=int, default=20, help="windows of 512 tokens per held-out text")
+    parser.add_argument("--json", default="bench/results/new_methods.json")
+    args = parser.parse_args()
+    results = {"provenance": provenance(["bench/new_methods.py", *sys.argv[1:]]), "model": args.model,
+               "blocks": args.blocks, "rows": []}
+    loaded = blockfold.load_model(args.model)
+    calibration = build_calibration(CalibrationConfig(source=str(DATA / "c4_demo.jsonl"),
+                                                      max_documents=CALIBRATION_DOCUMENTS), loaded.tokenizer)
+    results["calibration"] = calibration.description
+    results["num_layers"] = loaded.model.config.num_hidden_layers
+    calibration_tokens = sum(batch.input_ids.numel() for batch in calibration)
+    texts = evaluation_texts(loaded.tokenizer, args.windows)
+    handle = as_handle(copy.deepcopy(loaded.model), loaded.tokenizer, None)
+    started = time.perf_counter()
+    Runner(handle).run(calibration, [SpanStatistics(handle.num_layers(), max_length=1)], "reference pass")
+    pass_seconds = time.perf_counter() - started
+    results["pass_seconds"] = pass_seconds
+    results["original"] = {"perplexity": measure(loaded.model, texts, "original"),
+                           "parameters": count_parameters(loaded.model)}
+    for spec in args.methods.split(","):
+        method, settings = parse_method(spec)
+        model = copy.deepcopy(loaded.model)
+        counted = count_block_tokens(model)
+        started = time.perf_counter()
+        result = blockfold.compress(model, loaded.tokenizer, Recipe.parse({"method": method, "blocks": args.blocks,
+                                                                           **settings}), calibration=calibration)
+        seconds = time.perf_counter() - started
+        forward_passes = counted[0] / (calibration_tokens * results["num_layers"])
+        row = {"method": spec, "recipe": result.recipe.model_dump(mode="json"),
+               "removed_blocks": result.manifest["removed_blocks"], "compress_seconds": seconds,
+               "compress_passes": seconds / pass_seconds, "parameters": count_parameters(model),
+               "forward_passes": forward_passes,
+               "perplexity": measure(model, texts, spec)}
+        if result.manifest.get("compensation"):
+            row["compensation_scales"] = result.manifest["compensation"]["scales"]
+        results["rows"].append(row)
+        print(json.dumps({k: row[k] for k in ("method", "removed_blocks", "compress_passes", "forward_passes",
+                                              "perplexity")}), flush=True)
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
