@@ -58,8 +58,8 @@ class OnDevice(torch.Tensor):
                                f"{DEVICE} and cpu! (simulated, in {func})")
         leaving = func is torch.ops.aten._to_copy.default and kwargs.get("device") is not None \
             and not _on_device(kwargs["device"])
-        if func is torch.ops.aten._to_copy.default and "device" in kwargs:
-            kwargs["device"] = torch.device("cpu")
+        if (func is torch.ops.aten._to_copy.default and "device" in kwargs) or _on_device(kwargs.get("device")):
+            kwargs["device"] = torch.device("cpu")  # factories autograd calls with the device (a gradient's buffer)
         out = func(*args, **kwargs)
         if leaving:
             return out

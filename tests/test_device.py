@@ -44,6 +44,7 @@ CASES = [
     ("gemma3_text", {"method": "prune-comp", "blocks": 2}),
     ("llama", {"method": "laco", "blocks": 2, "merge_layers": 2}),
     ("gemma3_text", {"method": "linear-patch", "blocks": 2}),
+    ("llama", {"method": "streamline", "blocks": 2, "train_steps": 2}),
 ]
 
 

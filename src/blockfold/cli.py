@@ -27,6 +27,7 @@ SETTINGS_FLAGS = {
     "rank": "rank", "spans": "spans", "cosine_l1": "cosine.l1_penalty", "cosine_tokens": "cosine.max_tokens",
     "cosine_steps": "cosine.steps", "importance": "importance", "compensate": "compensate",
     "merge_layers": "merge_layers", "similarity_sequences": "similarity_sequences", "patch": "patch",
+    "train_steps": "train_steps", "train_lr": "learning_rate",
 }
 # CLI flag → field of the calibration config
 CALIBRATION_FLAGS = {
@@ -107,7 +108,7 @@ def _add_compress(sub) -> None:
     p.add_argument("--checkpoint-seconds", type=float,
                    help="seconds between checkpoints of a pass (default: at least 10, and at most 5%% of the pass "
                         "spent writing them)")
-    p.add_argument("--method", help="replaceme (default), nbl, nbl-block, uidl, drop-attn, drop-block, sleb, prune-comp, laco, linear-patch")
+    p.add_argument("--method", help="replaceme (default), nbl, nbl-block, uidl, drop-attn, drop-block, sleb, prune-comp, laco, linear-patch, streamline")
     p.add_argument("--blocks", type=int, help="number of blocks to remove or linearize (block methods)")
     p.add_argument("--attn", type=int, help="number of attention layers to linearize or drop (nbl, drop-attn)")
     p.add_argument("--ratio", type=float, help="share of blocks (or attention layers) instead of --blocks/--attn")
@@ -128,7 +129,7 @@ def _add_compress(sub) -> None:
     p.add_argument("--ridge-alpha", type=float, help="L2 penalty of the closed-form fits")
     p.add_argument("--cosine-l1", type=float, help="cosine estimator: L1 penalty on the transform")
     p.add_argument("--criterion", choices=_choices("criterion"),
-                   help="span selection (default: fit_error for replaceme, angular_last for uidl, block_influence for linear-patch)")
+                   help="span selection (default: fit_error for replaceme, angular_last for uidl, block_influence for linear-patch and streamline)")
     p.add_argument("--importance", choices=_choices("importance"),
                    help="prune-comp: which block goes each round: block_influence (default, 1 - cos(in, out)) or "
                         "perplexity (calibration perplexity with the block skipped)")
@@ -141,6 +142,9 @@ def _add_compress(sub) -> None:
     p.add_argument("--patch", choices=_choices("patch"),
                    help="linear-patch: hadamard (default, the paper's H D H^T from rotated magnitudes) or full (least "
                         "squares on the residual stream)")
+    p.add_argument("--train-steps", type=int,
+                   help="streamline: Adam steps training the block that replaces the span (default 200; 0: untrained)")
+    p.add_argument("--train-lr", type=float, help="streamline: learning rate of that training (default 1e-4)")
     p.add_argument("--sandwich-fold", choices=["auto", "compare", "linearized-norm", "through-norm"],
                    help="Gemma-style post-MLP norms: how to fold the map (default auto: linearized-norm, through-norm "
                         "where that fit fails; compare: the lower loss on held-out calibration tokens)")

@@ -206,6 +206,12 @@ def plan_for(spec: str, recipe: Recipe, execution: Execution, accelerator_memory
         stats_flops_per_token = 4 * d * d + (2 * d * d if settings.patch == "hadamard" else 0)
         notes.append("span distances, then the chosen span's boundary normal equations"
                      + (" and rotated magnitudes" if settings.patch == "hadamard" else ""))
+    elif recipe.method == "streamline":
+        n = settings.num_blocks(num_layers)
+        observers.append(SpanStatistics(num_layers, n + 1))
+        passes = 2  # distances, then the stream before and after the chosen span (training reads it back)
+        notes.append(f"span distances; the stream before and after the span kept for all calibration tokens "
+                     f"({gib(2 * tokens * d * element)}), then {settings.train_steps} training steps on one block")
     elif recipe.method == "laco":
         n = settings.num_blocks(num_layers)
         rounds = math.ceil(n / (settings.merge_layers - 1))

@@ -249,8 +249,19 @@ class LinearPatch(BlockBudget):
         return self
 
 
+class Streamline(BlockBudget):
+    """LLM-Streamline: the span of blocks + 1 whose input and output are most alike becomes one block,
+    trained by MSE on calibration activations to output what the span did (a standard checkpoint)."""
+
+    method: ClassVar[str] = "streamline"
+    # the paper's selection: the span of highest mean cosine between its input and output
+    criterion: Literal["block_influence", "angular_all", "angular_last"] = "block_influence"
+    train_steps: int = Field(200, ge=0)  # Adam steps, one calibration batch each; 0: the span's first block as is
+    learning_rate: float = Field(1e-4, gt=0)
+
+
 #: method name → its settings class
 SETTINGS: dict[str, type[MethodSettings]] = {
     cls.method: cls for cls in (ReplaceMe, UIDL, NBL, NBLBlock, DropAttention, DropBlock, SLEB, PruneComp, LaCo,
-                                LinearPatch)
+                                LinearPatch, Streamline)
 }

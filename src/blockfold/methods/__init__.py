@@ -17,6 +17,7 @@ from blockfold.methods.linear_patch import compress_linear_patch
 from blockfold.methods.nbl import compress_drop_attention, compress_nbl, compress_nbl_block
 from blockfold.methods.replaceme import compress_replaceme
 from blockfold.methods.sleb import compress_sleb
+from blockfold.methods.streamline import compress_streamline
 
 #: method name → function(job) -> manifest entries
 METHODS: dict[str, Callable[[Job], dict]] = {
@@ -30,6 +31,7 @@ METHODS: dict[str, Callable[[Job], dict]] = {
     "prune-comp": compress_prune_comp,
     "laco": compress_laco,
     "linear-patch": compress_linear_patch,
+    "streamline": compress_streamline,
 }
 
 __all__ = ["METHODS", "Job", "PassCache"]

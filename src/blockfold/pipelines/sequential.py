@@ -90,9 +90,13 @@ class LayerProgram:
     def set_hidden(self, number: int, hidden: torch.Tensor) -> None:
         self.store.put(f"h{number}", hidden)
 
-    def run_in_place_of(self, index: int, module: nn.Module, hidden: torch.Tensor, number: int) -> torch.Tensor:
-        """``module`` (a loaded block) run where block ``index`` runs: with its masks, positions and rotary tables."""
+    def run_in_place_of(self, index: int, module: nn.Module, hidden: torch.Tensor, number: int,
+                        dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``module`` (a loaded block) run where block ``index`` runs: with its masks, positions and rotary
+        tables (cast to ``dtype`` where they are floating point and one is given: a float32 copy in training)."""
         args, kwargs = self._inputs[number][index]
+        if dtype is not None:
+            args, kwargs = _cast(args, dtype), _cast(kwargs, dtype)
         return first(module(hidden, *args, **kwargs))
 
     @contextlib.contextmanager
@@ -106,6 +110,17 @@ class LayerProgram:
         with self.handle.materialized(block), torch.no_grad():
             yield block, run
         release_free_memory()  # the block's weights, freed just now
+
+
+def _cast(value, dtype: torch.dtype):
+    """``value`` with every floating-point tensor in it (in tuples, lists, dicts) cast to ``dtype``."""
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, (tuple, list)):
+        return type(value)(_cast(item, dtype) for item in value)
+    if isinstance(value, dict):
+        return {key: _cast(item, dtype) for key, item in value.items()}
+    return value
 
 
 def chunks_of(batches: list[Batch], sequences_per_chunk: int | None) -> list[list[Batch]]:

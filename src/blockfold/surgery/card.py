@@ -79,6 +79,12 @@ def _what_was_done(manifest: dict) -> str:
                 else "a least-squares map on the residual stream")
         text += (f"; block {patch['block']} of the result is a linear patch on the residual stream, h -> h P, P "
                  f"{form} fitted on {data}. It adds d x d parameters and keeps no KV cache.")
+    elif manifest.get("replacement"):
+        replacement = manifest["replacement"]
+        blocks = replacement["replaces"]
+        text += (f": blocks {blocks[0]}-{blocks[-1]} became one block (LLM-Streamline), block {blocks[0]} trained for "
+                 f"{replacement['train_steps']} steps to output what the span did on {data} (MSE). No parameters were "
+                 "added.")
     elif manifest.get("compensation"):
         scales = ", ".join(f"{s:.3f}" for s in manifest["compensation"]["scales"])
         text += (f"; after each removal the residual stream's missing magnitude was compensated (Prune&Comp) by "
