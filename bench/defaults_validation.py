@@ -97,6 +97,40 @@ def map_study(loaded, blocks: int, calibration, texts: dict, candidates: dict[st
     return {"default": default, "rows": rows}
 
 
+#: the estimators whose own map can score a span differently from lstsq (cosine is scored by lstsq)
+SCORED_ESTIMATORS = {"diagonal": {"estimator": "diagonal"}, "orthogonal": {"estimator": "orthogonal"},
+                     "lowrank": {"estimator": "lowrank", "rank": 32}, "identity": {"estimator": "identity"}}
+
+
+def selection_study(loaded, blocks: int, calibration, texts: dict) -> dict:
+    """Issue #16 item 3: for each estimator and each fit criterion, the span picked when every
+    candidate is scored with that estimator's own map against the span picked when scored with the
+    lstsq map; each distinct (estimator, span) compressed once and measured. One pass serves all."""
+    cache = PassCache()
+    handle = as_handle(copy.deepcopy(loaded.model), loaded.tokenizer, None)
+    job = Job(handle, ReplaceMe(blocks=blocks), calibration, Runner(handle), cache)
+    measured = measure_spans(job, [blocks], blocks, ReplaceMe.model_fields["criterion"].default, all_criteria=True)
+    lstsq_scores = span_criteria(measured.distances, measured.tables, measured.moments,
+                                 lambda eq: fit_span_map(eq, "lstsq", warn=False)[0])
+    rows, measured_at = [], {}
+    for name, settings in SCORED_ESTIMATORS.items():
+        own = (None if name == "identity" else
+               lambda eq, s=settings: fit_span_map(eq, s["estimator"], rank=s.get("rank"), warn=False)[0])
+        own_scores = span_criteria(measured.distances, measured.tables, measured.moments, own)
+        for criterion in ("fit_error", "fit_error_stream"):
+            for scored_with, scores in (("own map", own_scores), ("lstsq map", lstsq_scores)):
+                start = best_span(scores[criterion], blocks, criterion).start
+                if (name, start) not in measured_at:
+                    result = blockfold.compress(as_handle(copy.deepcopy(loaded.model), loaded.tokenizer, None),
+                                                recipe=Recipe(blocks=blocks, span_start=start, **settings),
+                                                calibration=calibration, cache=cache)
+                    measured_at[name, start] = measure(result.model, texts, f"{name} at {start}")
+                rows.append({"estimator": name, "criterion": criterion, "scored_with": scored_with, "start": start,
+                             "perplexity": measured_at[name, start]})
+                print(json.dumps(rows[-1]), flush=True)
+    return {"blocks": blocks, "rows": rows}
+
+
 #: sandwich-norm models: auto (linearized-norm) against through-norm, the fold version 3's auto chose on Gemma
 FOLDS = {"auto": {"sandwich_fold": "auto"}, "through-norm": {"sandwich_fold": "through-norm"}}
 
@@ -128,8 +162,11 @@ def main() -> None:
     parser.add_argument("--models", default="smollm2-135m:8:8,gemma3-270m:4:4",
                         help="model:blocks:attention layers, comma-separated")
     parser.add_argument("--studies", default="span,nbl",
-                        help="span, nbl, estimator (the maps of 'Best configuration'), fold (sandwich-norm models)")
+                        help="span, nbl, estimator (the maps of 'Best configuration'), fold (sandwich-norm models), "
+                             "selection (each estimator's span scored by its own map or by lstsq)")
     parser.add_argument("--windows", type=int, default=40, help="windows of 512 tokens per held-out text")
+    parser.add_argument("--calib", default="c4", choices=["c4", "self"],
+                        help="c4: c4_demo documents 0-127 (the issue-2 recipe); self: text the model writes (the CLI's default)")
     parser.add_argument("--json", default="bench/results/defaults_validation.json")
     args = parser.parse_args()
     started = provenance(["bench/defaults_validation.py", *sys.argv[1:]])
@@ -137,8 +174,9 @@ def main() -> None:
     for item in args.models.split(","):
         spec, blocks, layers = item.split(":")
         loaded = blockfold.load_model(spec)
-        config = CalibrationConfig(source=str(DATA / "c4_demo.jsonl"), max_documents=CALIBRATION_DOCUMENTS)
-        calibration = build_calibration(config, loaded.tokenizer)
+        config = (CalibrationConfig(source=str(DATA / "c4_demo.jsonl"), max_documents=CALIBRATION_DOCUMENTS)
+                  if args.calib == "c4" else CalibrationConfig(source="self"))
+        calibration = build_calibration(config, loaded.tokenizer, loaded.model)
         texts = evaluation_texts(loaded.tokenizer, args.windows)
         model_results = {"original": measure(loaded.model, texts, "original"), "calibration": calibration.description}
         studies = args.studies.split(",")
@@ -151,6 +189,8 @@ def main() -> None:
         if "fold" in studies:
             model_results["fold"] = map_study(loaded, int(blocks), calibration, texts, FOLDS, "auto")
             model_results["fold"]["verdict"] = verdict(model_results["fold"])
+        if "selection" in studies:
+            model_results["selection"] = selection_study(loaded, int(blocks), calibration, texts)
         if "nbl" in studies:
             model_results["nbl"] = nbl_study(loaded, int(layers), calibration, texts)
             model_results["nbl"]["verdict"] = verdict(model_results["nbl"])

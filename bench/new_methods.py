@@ -97,8 +97,10 @@ def main() -> None:
                "compress_passes": seconds / pass_seconds, "parameters": count_parameters(model),
                "forward_passes": forward_passes,
                "perplexity": measure(model, texts, spec)}
-        if result.manifest.get("compensation"):
-            row["compensation_scales"] = result.manifest["compensation"]["scales"]
+        for key in ("compensation", "collapsed", "patch", "replacement"):  # what the method did, beside the figures
+            if result.manifest.get(key):
+                row[key] = result.manifest[key]
+        row["selection_score"] = result.manifest["selection"].get("score")
         results["rows"].append(row)
         print(json.dumps({k: row[k] for k in ("method", "removed_blocks", "compress_passes", "forward_passes",
                                               "perplexity")}), flush=True)

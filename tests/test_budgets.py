@@ -11,7 +11,7 @@ from conftest import random_calibration, tiny_model, tiny_tokenizer
 import blockfold
 from blockfold.adapters import get_adapter
 from blockfold.cli import main
-from blockfold.recipe import Recipe
+from blockfold.recipe import RECIPE_VERSION, Recipe
 from blockfold.runtime import Execution
 from blockfold.stats import SpanStatistics
 
@@ -108,7 +108,7 @@ def test_version_1_recipes_are_read_with_their_defaults(tmp_path):
                    "linearity_criterion: cosine\ngreedy: false\nsandwich_fold: auto\n"
                    "calibration: {num_sequences: 8}\ncosine: {max_tokens: 16384, steps: 60, learning_rate: 1.0, l1_penalty: 0.0}\n")
     recipe = Recipe.from_yaml(old)
-    assert recipe.recipe_version == 6 and recipe.settings.blocks == 3
+    assert recipe.recipe_version == RECIPE_VERSION and recipe.settings.blocks == 3
     assert recipe.settings.sandwich_fold == "compare"  # version 3's auto compared the folds' losses
     assert recipe.calibration.document_separator == "blank-line" and not recipe.calibration.start_every_sequence
     assert recipe.settings.criterion == "fit_error_stream" and recipe.calibration.num_sequences == 8
@@ -123,7 +123,7 @@ def test_version_2_recipes_run_as_they_did(tmp_path):
     old.write_text("recipe_version: 2\nmethod: replaceme\nsettings: {blocks: 3, ridge_alpha: 2048.0}\n"
                    "calibration: {num_sequences: 8, sequence_length: 128}\n")
     recipe = Recipe.from_yaml(old)
-    assert recipe.recipe_version == 6 and recipe.settings.ridge_alpha == 2.0
+    assert recipe.recipe_version == RECIPE_VERSION and recipe.settings.ridge_alpha == 2.0
     assert recipe.calibration.document_separator == "blank-line" and not recipe.calibration.start_every_sequence
     assert Recipe.parse({"blocks": 3}).calibration.document_separator == "eos"
 
@@ -133,7 +133,7 @@ def test_version_3_auto_fold_replays_as_compare():
     linearized-norm. A version 3 recipe, written or defaulted, still compares; a forced fold stays."""
     for settings in ({"blocks": 3}, {"blocks": 3, "sandwich_fold": "auto"}):
         migrated = Recipe.parse({"recipe_version": 3, "method": "replaceme", "settings": settings})
-        assert migrated.recipe_version == 6 and migrated.settings.sandwich_fold == "compare"
+        assert migrated.recipe_version == RECIPE_VERSION and migrated.settings.sandwich_fold == "compare"
     forced = Recipe.parse({"recipe_version": 3, "settings": {"blocks": 3, "sandwich_fold": "through-norm"}})
     assert forced.settings.sandwich_fold == "through-norm"
     plain = Recipe.parse({"recipe_version": 3, "settings": {"blocks": 3, "estimator": "identity"}})
@@ -148,7 +148,7 @@ def test_version_4_recipes_keep_the_span_criterion_they_defaulted_to():
     default selected by fit_error_stream and still does; a criterion it names stays, as does UIDL's."""
     for version in (2, 3, 4):
         migrated = Recipe.parse({"recipe_version": version, "method": "replaceme", "settings": {"blocks": 3}})
-        assert migrated.recipe_version == 6 and migrated.settings.criterion == "fit_error_stream"
+        assert migrated.recipe_version == RECIPE_VERSION and migrated.settings.criterion == "fit_error_stream"
     named = Recipe.parse({"recipe_version": 4, "settings": {"blocks": 3, "criterion": "cka"}})
     assert named.settings.criterion == "cka"
     flat = Recipe.parse({"recipe_version": 4, "blocks": 3, "criterion": "cca"})
@@ -165,7 +165,7 @@ def test_version_5_nbl_recipes_keep_the_cosine_ranking_they_defaulted_to():
     recipe that left the ranking to the default ranked by cosine on every architecture, and still does."""
     for version in (2, 3, 4, 5):
         migrated = Recipe.parse({"recipe_version": version, "method": "nbl", "settings": {"attention_layers": 2}})
-        assert migrated.recipe_version == 6 and migrated.settings.linearity_criterion == "cosine"
+        assert migrated.recipe_version == RECIPE_VERSION and migrated.settings.linearity_criterion == "cosine"
     named = Recipe.parse({"recipe_version": 5, "method": "nbl", "settings": {"attention_layers": 2,
                                                                            "linearity_criterion": "cca"}})
     assert named.settings.linearity_criterion == "cca"

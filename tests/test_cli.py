@@ -14,7 +14,7 @@ import torch
 from conftest import tiny_model, tiny_tokenizer
 
 from blockfold.cli import main
-from blockfold.recipe import Recipe
+from blockfold.recipe import RECIPE_VERSION, Recipe
 from blockfold.surgery import MANIFEST_NAME
 
 
@@ -294,7 +294,7 @@ def test_python_api_outputs_are_as_complete_as_the_cli(capsys, tiny_folder, corp
     manifest = json.loads((out / MANIFEST_NAME).read_text())
     assert manifest["source_model"]["spec"] == str(tiny_folder) and manifest["source_model"]["fingerprint"]
     assert {"commit", "torch", "transformers", "cpu", "cpus", "memory_gib"} <= set(manifest["environment"])
-    assert manifest["recipe"]["recipe_version"] == 6 and manifest["recipe"]["settings"]["criterion"] == "fit_error"
+    assert manifest["recipe"]["recipe_version"] == RECIPE_VERSION and manifest["recipe"]["settings"]["criterion"] == "fit_error"
     evaluated = blockfold.evaluate(out, perplexity_text=corpus, sequence_length=32)
     assert set(evaluated) == {"original", "model", "ratio"} and evaluated["original"]["spec"] == str(tiny_folder)
     in_memory = blockfold.evaluate(result, perplexity_text=corpus, sequence_length=32)

@@ -183,3 +183,24 @@ def test_gemma3_nbl_four_attention_layers_end_to_end(tmp_path):
     compressed = perplexity(model, windows)["perplexity"]
     assert original < compressed < GEMMA_NBL4_PPL_BOUND * original, (original, compressed)
     _assert_reloads_and_generates_same(model, gemma.tokenizer, result.manifest, tmp_path, remote_code=True)
+
+
+@pytest.mark.slow  # one 64 x 512 calibration pass shared by four compressions: about 4 minutes on 2 cores
+def test_smollm2_spans_scored_by_lstsq_hold_for_constrained_maps_and_plain_removal(smollm2):
+    """Issue #16 item 3: scored with their own maps under fit_error_stream, the diagonal map picks blocks
+    1-8 (40 windows: 331.6) and plain removal 11-18 (384.5); scored with the lstsq map (recipe version 7)
+    both take 12-19 (123.2 and 124.1)."""
+    from blockfold.methods import PassCache
+
+    config, calibration, windows = _setup(smollm2, 64, 512, 8, max_documents=128)
+    cache = PassCache()
+    for estimator, own_start in (("diagonal", 1), ("identity", 11)):
+        results = {}
+        for scoring in ("lstsq", "estimator"):
+            model = copy.deepcopy(smollm2.model)
+            recipe = Recipe(blocks=8, estimator=estimator, criterion="fit_error_stream", span_scoring=scoring,
+                            calibration=config)
+            result = blockfold.compress(model, smollm2.tokenizer, recipe, calibration=calibration, cache=cache)
+            results[scoring] = (result.manifest["removed_blocks"][0], perplexity(model, windows)["perplexity"])
+        assert results["lstsq"][0] == 12 and results["estimator"][0] == own_start, results
+        assert results["lstsq"][1] < 0.5 * results["estimator"][1], results

@@ -359,3 +359,30 @@ def test_a_numerical_fit_that_turns_non_finite_returns_the_best_finite_map():
     assert torch.isfinite(transform).all() and info["diverged"]
     _, healthy = fit_numerically(rows, init, CosineConfig(steps=20), "mse")
     assert "diverged" not in healthy
+
+
+@pytest.mark.parametrize("estimator", ["diagonal", "orthogonal", "identity"])
+def test_spans_are_scored_with_the_lstsq_map_whatever_the_estimator_folds(tokenizer, estimator):
+    """Recipe version 7: every estimator's candidates get the lstsq map's fit errors (the scores the
+    lstsq estimator sees); ``span_scoring: estimator`` (version 6) scores with the folded map."""
+    calibration = random_calibration()
+
+    def candidates(**settings):
+        result = blockfold.compress(tiny_model("llama"), tokenizer, {"blocks": 2, "criterion": "fit_error", **settings},
+                                    calibration=calibration)
+        return result.manifest["selection"]
+
+    reference = candidates(estimator="lstsq")["candidates"]
+    scored = candidates(estimator=estimator)
+    assert scored["scored_with"] == "the lstsq map"
+    assert scored["candidates"] == pytest.approx(reference, rel=1e-9)
+    own = candidates(estimator=estimator, span_scoring="estimator")
+    assert own["scored_with"] != "the lstsq map"
+    assert own["candidates"] != pytest.approx(reference, rel=1e-3)
+
+
+def test_version_6_recipes_keep_scoring_spans_with_the_folded_map():
+    migrated = Recipe.parse({"recipe_version": 6, "settings": {"blocks": 3, "estimator": "diagonal"}})
+    assert migrated.settings.span_scoring == "estimator"
+    assert Recipe.parse({"recipe_version": 6, "method": "uidl", "settings": {"blocks": 3}}).settings.span_scoring == "estimator"
+    assert Recipe.parse({"blocks": 3, "estimator": "diagonal"}).settings.span_scoring == "lstsq"

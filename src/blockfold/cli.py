@@ -28,6 +28,7 @@ SETTINGS_FLAGS = {
     "cosine_steps": "cosine.steps", "importance": "importance", "compensate": "compensate",
     "merge_layers": "merge_layers", "similarity_sequences": "similarity_sequences", "patch": "patch",
     "train_steps": "train_steps", "train_lr": "learning_rate",
+    "span_scoring": "span_scoring",
 }
 # CLI flag → field of the calibration config
 CALIBRATION_FLAGS = {
@@ -123,6 +124,9 @@ def _add_compress(sub) -> None:
     p.add_argument("--estimator", choices=_choices("estimator"),
                    help="the span's map: lstsq (default), diagonal, orthogonal, lowrank (--rank), cosine (numerical), "
                         "identity (plain removal)")
+    p.add_argument("--span-scoring", choices=_choices("span_scoring"),
+                   help="replaceme: score candidate spans with the lstsq map whatever is folded (default) or with the "
+                        "estimator's own map (recipe version 6 and older)")
     p.add_argument("--rank", type=int, help="lowrank: rank of the correction to the identity (default 32)")
     p.add_argument("--span-start", type=int, help="remove the span starting at this block instead of selecting one")
     p.add_argument("--spans", type=int, help="replaceme/uidl: remove this many non-overlapping spans sharing --blocks")

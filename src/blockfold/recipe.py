@@ -5,7 +5,10 @@ and the calibration data. It is saved next to every output with every default re
 can be repeated, and a report rebuilt, from the output folder alone. (Where and in what precision
 a job runs is not the recipe's business: see ``runtime.Execution``.)
 
-Version 5 (this one): ReplaceMe's span ``criterion`` defaults to ``fit_error``. Version 4 made
+Version 7 (this one): ReplaceMe scores candidate spans with the unconstrained least-squares map
+whatever its estimator folds (``span_scoring: lstsq``); a version 6 or older recipe keeps scoring with
+the estimator's own map. Version 6 made NBL's ranking ``auto``. Version 5: ReplaceMe's span
+``criterion`` defaults to ``fit_error``. Version 4 made
 ReplaceMe's ``sandwich_fold: auto`` fold ``linearized-norm`` (through-norm only where that fit is not
 finite). Version 3 packed calibration documents with EOS between them and a BOS
 (where the tokenizer writes one) at the start of every sequence, and made ReplaceMe's ``ridge_alpha``
@@ -28,7 +31,7 @@ from blockfold.errors import BlockfoldError
 from blockfold.schema import Strict
 from blockfold.settings import SETTINGS, MethodSettings
 
-RECIPE_VERSION = 6
+RECIPE_VERSION = 7
 
 
 class CalibrationConfig(Strict):
@@ -106,7 +109,7 @@ class Recipe(Strict):
     a flat field the method does not have is an error naming the method's own settings.
     """
 
-    recipe_version: Literal[6] = RECIPE_VERSION
+    recipe_version: Literal[7] = RECIPE_VERSION
     method: str = "replaceme"
     settings: SerializeAsAny[MethodSettings]
     calibration: CalibrationConfig = Field(default_factory=CalibrationConfig)
@@ -127,6 +130,8 @@ class Recipe(Strict):
             data = _migrate_v4(data)
         if data.get("recipe_version") == 5:
             data = _migrate_v5(data)
+        if data.get("recipe_version") == 6:
+            data = _migrate_v6(data)
         method = data.get("method", "replaceme")
         if method not in SETTINGS:
             raise ValueError(f"unknown method {method!r}; choose one of {', '.join(sorted(SETTINGS))}")
@@ -235,6 +240,16 @@ def _migrate_v5(data: dict) -> dict:
     settings = data.get("settings") or {}
     if isinstance(settings, dict) and data.get("method", "replaceme") == "nbl" and "linearity_criterion" not in settings:
         settings = {**settings, "linearity_criterion": "cosine"}
+    return {**data, "recipe_version": 6, "settings": settings}
+
+
+def _migrate_v6(data: dict) -> dict:
+    """A version 6 recipe as version 7: ReplaceMe scored candidate spans with the map its estimator
+    folds; version 7 scores them with the least-squares map whatever is folded."""
+    settings = data.get("settings") or {}
+    if isinstance(settings, dict) and data.get("method", "replaceme") in ("replaceme", "uidl") \
+            and "span_scoring" not in settings:
+        settings = {**settings, "span_scoring": "estimator"}
     return {**data, "recipe_version": RECIPE_VERSION, "settings": settings}
 
 

@@ -126,6 +126,13 @@ class ReplaceMe(SpanSelection):
     # the map (estimate/): closed form from the streamed normal equations, or cosine (numerical, from
     # the lstsq start); identity = plain removal
     estimator: Literal["lstsq", "diagonal", "orthogonal", "lowrank", "cosine", "identity"] = "lstsq"
+    # the map the fit criteria score each candidate span with: lstsq (recipe version 7), the unconstrained
+    # map whatever is folded (plain removal too), or the estimator's own (version 6 and older). Scored by
+    # their own maps with fit_error_stream, diagonal picked blocks 1-8 of SmolLM2-135M (331.6) and plain
+    # removal 11-18 (384.5), where lstsq's span 12-19 gives them 123.2 and 124.1; lstsq scoring picked the
+    # same span or a better one for every estimator and both fit criteria, on the chosen and held-out
+    # texts (BENCHMARKS.md "Selection across estimators")
+    span_scoring: Literal["lstsq", "estimator"] = "lstsq"
     rank: int | None = Field(None, ge=1)  # lowrank: rank of the correction to the identity (default 32)
     ridge_alpha: float = Field(0.0, ge=0)  # L2 penalty per calibration token (as NBL's; version 2: in total)
     # blocks with a norm after the MLP (Gemma): which foldable form of the map (docs/gemma.md); auto
@@ -156,6 +163,8 @@ class UIDL(SpanSelection):
 
     method: ClassVar[str] = "uidl"
     criterion: SpanCriterion = "angular_last"
+    # with a fit criterion, what scores each span: lstsq (version 7) or the identity's own error (as ReplaceMe's)
+    span_scoring: Literal["lstsq", "estimator"] = "lstsq"
 
 
 class NBL(AttentionBudget):

@@ -74,7 +74,11 @@ def closed_form_map(settings: ReplaceMe, equations: NormalEquations, warn: bool 
 
 
 def _scoring_map(settings: ReplaceMe):
-    """How each candidate is scored: with the map that would be folded (None for plain removal)."""
+    """How each candidate is scored by the fit criteria: with the least-squares map whatever is folded
+    (``span_scoring: lstsq``), or with the map that would be folded (``estimator``; None: plain removal,
+    scored from the identity's scalar sums)."""
+    if settings.span_scoring == "lstsq":
+        return lambda equations: fit_span_map(equations, "lstsq", settings.ridge_alpha, warn=False)[0]
     if settings.estimator == "identity":
         return None
     return lambda equations: closed_form_map(settings, equations, warn=False)[0]
@@ -341,6 +345,7 @@ def compress_replaceme(job: Job) -> dict:
         removed_so_far += choice.length
     selection = {
         "criterion": criterion,
+        "scored_with": _scored_with(settings),
         "start": choices[0].start,
         "length": choices[0].length,
         "score": sum(c.score for c in choices),
@@ -392,10 +397,17 @@ def _compress_greedy(job: Job, budget: int) -> dict:
         "removed_blocks": removed,
         "spans": [{"blocks": [s["block"]], "folded_into_block": s["folded_into_block"], "transform": s["transform"]}
                   for s in steps],
-        "selection": {"criterion": criterion, "strategy": "greedy", "order": [s["block"] for s in steps],
+        "selection": {"criterion": criterion, "scored_with": _scored_with(settings), "strategy": "greedy", "order": [s["block"] for s in steps],
                       "score": sum(s["score"] for s in steps), "candidates": steps[0]["candidates"],
                       "greedy_steps": steps, "statistics": dict(job.notes)},
     }
+
+
+def _scored_with(settings: ReplaceMe) -> str:
+    """What the fit criteria scored each candidate with (the other criteria read the stream alone)."""
+    if settings.span_scoring == "lstsq":
+        return "the lstsq map"
+    return "the identity (plain removal)" if settings.estimator == "identity" else f"the {settings.estimator} map"
 
 
 def _table(values) -> dict[str, dict[str, float]]:
