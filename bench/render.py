@@ -545,6 +545,10 @@ def render_quantized_input(results: dict) -> str:
     return "\n".join([*lines, "", *_footer([results])])
 
 
+def _perplexity(value: float) -> str:
+    return f"{value:.2f}" if value < 1e5 else f"{value:.1e}"
+
+
 def render_new_methods(parts: list[dict]) -> str:
     """Issue #16: the new methods beside the baselines, one table per model and budget (rows from every
     run of it, each compress time in passes of its own run), perplexity on the reported and held-out texts."""
@@ -563,15 +567,36 @@ def render_new_methods(parts: list[dict]) -> str:
                   "one pass timed in the same run (this machine).", "",
                   "| method | removed blocks | " + " | ".join(texts) + " | block forwards | wall time | parameters |",
                   "|---|---|" + "---|" * len(texts) + "---|---|---|",
-                  "| original | - | " + " | ".join(f"{first['original']['perplexity'][t]:.2f}" for t in texts)
+                  "| original | - | " + " | ".join(_perplexity(first['original']['perplexity'][t]) for t in texts)
                   + f" | - | - | {first['original']['parameters'] / 1e6:.1f} M |"]
         for results in runs:
             for row in results["rows"]:
                 forwards = f"{row['forward_passes']:.2f}" if "forward_passes" in row else "-"
                 lines.append(f"| {row['method']} | {_span(row['removed_blocks'])} | "
-                             + " | ".join(f"{row['perplexity'][t]:.2f}" for t in texts)
+                             + " | ".join(_perplexity(row['perplexity'][t]) for t in texts)
                              + f" | {forwards} | {row['compress_passes']:.1f} | {row['parameters'] / 1e6:.1f} M |")
         lines += ["", *_footer(runs), ""]
+    return "\n".join(lines).rstrip()
+
+
+def render_selection(parts: list[dict]) -> str:
+    """Issue #16 item 3: each estimator's span under each fit criterion, scored by its own map or by lstsq."""
+    lines = []
+    for results in parts:
+        for key, model in results["models"].items():
+            study = model["selection"]
+            texts = list(model["original"])
+            lines += [f"{key.split(':')[0]}, {study['blocks']} blocks, calibration {model['calibration'].get('source')} "
+                      f"({model['calibration'].get('sequences')} x {model['calibration'].get('sequence_length')} tokens)", "",
+                      "| estimator | criterion | spans scored with | span | " + " | ".join(texts) + " |",
+                      "|---|---|---|---|" + "---|" * len(texts),
+                      "| original | - | - | - | " + " | ".join(f"{model['original'][t]:.2f}" for t in texts) + " |"]
+            for row in study["rows"]:
+                lines.append(f"| {row['estimator']} | {row['criterion']} | {row['scored_with']} | "
+                             f"{row['start']}-{row['start'] + study['blocks'] - 1} | "
+                             + " | ".join(f"{row['perplexity'][t]:.2f}" for t in texts) + " |")
+            lines.append("")
+        lines += [*_footer([results]), ""]
     return "\n".join(lines).rstrip()
 
 
@@ -581,7 +606,8 @@ SECTIONS: dict[str, tuple[str | tuple[str, ...], Callable]] = {
     "scale-out": ("scale_out.json", render_scale_out),
     "serving": (("serving.json", "serving_gemma.json"), render_serving),
     "quantized-input": ("quantized_input.json", render_quantized_input),
-    "new-methods": (("new_methods.json",), render_new_methods),
+    "new-methods": (("new_methods.json", "new_methods_part2.json", "new_methods_part3.json"), render_new_methods),
+    "selection": (("selection_smollm2_c4.json",), render_selection),
     "packing": ("calibration_packing.json", render_packing),
     "healing": (("healing.json", "healing_v3_through_norm.json"), render_healing),
     "gemma": (("gemma_sandwich.json", "gemma_placement.json"), render_gemma),
