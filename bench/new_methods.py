@@ -7,6 +7,7 @@ calibration set through every block of the original (machine-independent), and t
 
     .venv/bin/python bench/new_methods.py --model smollm2-135m --blocks 8
     .venv/bin/python bench/new_methods.py --model gemma3-270m --blocks 4 --methods prune-comp,laco,linear-patch
+    .venv/bin/python bench/new_methods.py --no-perplexity --tasks piqa,arc_easy,hellaswag,lambada_openai --limit 500
 
 Each method is ``blockfold.compress`` with its defaults (``method:key=value`` changes one setting,
 e.g. ``prune-comp:compensate=false`` for the paper's ablation) on the issue-2 recipe: c4_demo
@@ -22,10 +23,13 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 import blockfold
 from blockfold.adapters import get_adapter
 from blockfold.api import as_handle, count_parameters, provenance
 from blockfold.data import build_calibration
+from blockfold.eval.tasks import evaluate_tasks, relative_performance
 from blockfold.pipelines import Runner
 from blockfold.recipe import CalibrationConfig, Recipe
 from blockfold.stats import SpanStatistics
@@ -47,6 +51,12 @@ def count_block_tokens(model) -> list[int]:
     return counter
 
 
+def accuracy(model, tokenizer, tasks: list[str], limit: int) -> dict:
+    """Harness accuracy (0-shot, the first ``limit`` examples) of a bfloat16 copy of ``model``: the
+    example report's setting, which halves the time on a CPU with bfloat16 arithmetic."""
+    return evaluate_tasks(copy.deepcopy(model).to(torch.bfloat16), tokenizer, tasks, limit=limit)
+
+
 def parse_method(spec: str) -> tuple[str, dict]:
     """``prune-comp:compensate=false,importance=perplexity`` → ("prune-comp", {...})."""
     method, _, rest = spec.partition(":")
@@ -66,6 +76,10 @@ def main() -> None:
                         help="comma-separated; method:key=value;key=value changes settings")
     parser.add_argument("--windows", type=int, default=20, help="windows of 512 tokens per held-out text")
     parser.add_argument("--json", default="bench/results/new_methods.json")
+    parser.add_argument("--tasks", default="", help="harness tasks, comma-separated (e.g. piqa,arc_easy,hellaswag,"
+                                                    "lambada_openai), run on a bfloat16 copy of each model")
+    parser.add_argument("--limit", type=int, default=500, help="first N examples per task")
+    parser.add_argument("--no-perplexity", action="store_true", help="harness accuracy only")
     args = parser.parse_args()
     results = {"provenance": provenance(["bench/new_methods.py", *sys.argv[1:]]), "model": args.model,
                "blocks": args.blocks, "rows": []}
@@ -81,8 +95,13 @@ def main() -> None:
     Runner(handle).run(calibration, [SpanStatistics(handle.num_layers(), max_length=1)], "reference pass")
     pass_seconds = time.perf_counter() - started
     results["pass_seconds"] = pass_seconds
-    results["original"] = {"perplexity": measure(loaded.model, texts, "original"),
-                           "parameters": count_parameters(loaded.model)}
+    tasks = [task for task in args.tasks.split(",") if task]
+    results["original"] = {"parameters": count_parameters(loaded.model)}
+    if not args.no_perplexity:
+        results["original"]["perplexity"] = measure(loaded.model, texts, "original")
+    if tasks:
+        results["tasks"], results["limit"] = tasks, args.limit
+        results["original"]["accuracy"] = accuracy(loaded.model, loaded.tokenizer, tasks, args.limit)
     for spec in args.methods.split(","):
         method, settings = parse_method(spec)
         model = copy.deepcopy(loaded.model)
@@ -95,15 +114,20 @@ def main() -> None:
         row = {"method": spec, "recipe": result.recipe.model_dump(mode="json"),
                "removed_blocks": result.manifest["removed_blocks"], "compress_seconds": seconds,
                "compress_passes": seconds / pass_seconds, "parameters": count_parameters(model),
-               "forward_passes": forward_passes,
-               "perplexity": measure(model, texts, spec)}
-        for key in ("compensation", "collapsed", "patch", "replacement"):  # what the method did, beside the figures
+               "forward_passes": forward_passes}
+        if not args.no_perplexity:
+            row["perplexity"] = measure(model, texts, spec)
+        if tasks:
+            row["accuracy"] = accuracy(model, loaded.tokenizer, tasks, args.limit)
+            row["relative_performance"] = relative_performance(row["accuracy"], results["original"]["accuracy"])
+        for key in ("compensation", "collapsed", "patch", "replacement", "refit"):  # what the method did, beside the figures
             if result.manifest.get(key):
                 row[key] = result.manifest[key]
         row["selection_score"] = result.manifest["selection"].get("score")
         results["rows"].append(row)
-        print(json.dumps({k: row[k] for k in ("method", "removed_blocks", "compress_passes", "forward_passes",
-                                              "perplexity")}), flush=True)
+        print(json.dumps({k: row.get(k) for k in ("method", "removed_blocks", "compress_passes", "forward_passes",
+                                                  "perplexity")}
+                         | ({"rp": row["relative_performance"]["average"]} if tasks else {})), flush=True)
         Path(args.json).write_text(json.dumps(results, indent=1))
 
 

@@ -45,11 +45,12 @@ CASES = [
     ("llama", {"method": "laco", "blocks": 2, "merge_layers": 2}),
     ("gemma3_text", {"method": "linear-patch", "blocks": 2}),
     ("llama", {"method": "streamline", "blocks": 2, "train_steps": 2}),
+    ("llama", {"blocks": 2, "refit": "down"}),
 ]
 
 
 @pytest.mark.parametrize("pipeline", ["whole", "sequential"])
-@pytest.mark.parametrize("arch, recipe", CASES, ids=[f"{a}-{r.get('method', 'replaceme')}-{r.get('estimator', r.get('sandwich_fold', ''))}"
+@pytest.mark.parametrize("arch, recipe", CASES, ids=[f"{a}-{r.get('method', 'replaceme')}-{r.get('estimator', r.get('sandwich_fold', r.get('refit', '')))}"
                                                      for a, r in CASES])
 def test_compress_on_an_accelerator_matches_the_cpu(arch, recipe, pipeline, tmp_path):
     cpu = blockfold.compress(tiny_model(arch), tiny_tokenizer(), recipe, random_calibration(),

@@ -71,7 +71,8 @@ def test_sequential_replaceme_equals_whole_model(arch, tmp_path):
                                     {"method": "laco", "blocks": 3, "merge_layers": 3},
                                     {"method": "linear-patch", "blocks": 2}, {"method": "linear-patch", "blocks": 2, "patch": "full"},
                                     {"method": "streamline", "blocks": 2, "train_steps": 3},
-                                    {"blocks": 3, "spans": 2}, {"blocks": 2, "greedy": True}])
+                                    {"blocks": 3, "spans": 2}, {"blocks": 2, "greedy": True},
+                                    {"blocks": 2, "refit": "down"}, {"blocks": 3, "spans": 2, "refit": "down"}])
 def test_every_method_runs_layer_by_layer_with_the_same_result(recipe, tmp_path):
     folder = _saved_folder("llama", tmp_path)
     (whole, sequential), (mw, ms) = _compress_both(folder, recipe, tmp_path, random_calibration(num_sequences=8))

@@ -156,7 +156,7 @@ def _assert_same_up_to_rounding(a: Path, b: Path) -> None:
         assert (first[name] - second[name]).abs().max() <= 1e-5 * first[name].abs().max(), name
 
 
-@pytest.mark.parametrize("method", [["--blocks", "2"], ["--method", "nbl", "--attn", "2"]])
+@pytest.mark.parametrize("method", [["--blocks", "2"], ["--method", "nbl", "--attn", "2"], ["--blocks", "2", "--refit", "down"]])
 def test_torchrun_compress_saves_what_one_process_saves(workdir, method):
     common = ["compress", "--model", "tiny", "--calib", "corpus.txt", *CALIBRATION, *method]
     one = _blockfold(workdir, *common, "--out", "one")

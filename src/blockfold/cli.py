@@ -28,6 +28,8 @@ SETTINGS_FLAGS = {
     "cosine_steps": "cosine.steps", "importance": "importance", "compensate": "compensate",
     "merge_layers": "merge_layers", "similarity_sequences": "similarity_sequences", "patch": "patch",
     "train_steps": "train_steps", "train_lr": "learning_rate",
+    "refit": "refit", "refit_blocks": "refit_blocks", "refit_ridge": "refit_ridge",
+    "refit_weighting": "refit_weighting",
     "span_scoring": "span_scoring",
 }
 # CLI flag → field of the calibration config
@@ -149,6 +151,15 @@ def _add_compress(sub) -> None:
     p.add_argument("--train-steps", type=int,
                    help="streamline: Adam steps training the block that replaces the span (default 200; 0: untrained)")
     p.add_argument("--train-lr", type=float, help="streamline: learning rate of that training (default 1e-4)")
+    p.add_argument("--refit", choices=_choices("refit"),
+                   help="replaceme: after the surgery, refit the down-projections from the block before the span "
+                        "onward to the original stream, layer by layer in closed form (down); none: plain ReplaceMe")
+    p.add_argument("--refit-blocks", type=int, help="replaceme --refit: how many blocks, from the one before the span "
+                                                    "(default: every later block)")
+    p.add_argument("--refit-ridge", type=float, help="replaceme --refit: ridge toward the current weights, relative "
+                                                     "to the mean input energy (default 0.01)")
+    p.add_argument("--refit-weighting", choices=_choices("refit_weighting"),
+                   help="replaceme --refit: each token's error as it is (none) or relative to the stream (stream)")
     p.add_argument("--sandwich-fold", choices=["auto", "compare", "linearized-norm", "through-norm"],
                    help="Gemma-style post-MLP norms: how to fold the map (default auto: linearized-norm, through-norm "
                         "where that fit fails; compare: the lower loss on held-out calibration tokens)")

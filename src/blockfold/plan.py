@@ -167,6 +167,13 @@ def plan_for(spec: str, recipe: Recipe, execution: Execution, accelerator_memory
         if isinstance(settings, ReplaceMe) and (settings.estimator == "cosine" or not adapter.folds_exactly):
             passes += 1  # the token subsample for the numerical fit
         passes += settings.spans - 1  # later spans are refitted on the compressed model
+        if getattr(settings, "refit", "none") != "none":
+            intermediate = getattr(config, "intermediate_size", None) or 4 * d
+            refit_sums = intermediate * (intermediate + d) * 8
+            sums = max(sums, refit_sums)
+            passes += 2  # the original streams to the span's end, then both streams through the later blocks, twice
+            notes.append(f"refit: {gib(refit_sums)} of sums per down-projection, and the original and compressed "
+                         f"streams kept for all calibration tokens ({gib(3 * tokens * d * element)})")
     elif recipe.method in ("nbl", "nbl-block", "drop-attn"):
         count = (settings.num_attention_layers(num_layers) if isinstance(settings, AttentionBudget)
                  else settings.num_blocks(num_layers))

@@ -140,9 +140,23 @@ class ReplaceMe(SpanSelection):
     # the lower loss on held-out calibration tokens
     sandwich_fold: Literal["auto", "compare", "linearized-norm", "through-norm"] = "auto"
     cosine: CosineConfig = Field(default_factory=CosineConfig)
+    # after the surgery, refit the down-projections from the block before the span onward so that each
+    # block's output on the compressed model's inputs matches the original stream at its depth
+    # (methods/refit.py): none, or down (closed form per layer, no parameter added)
+    refit: Literal["none", "down"] = "none"
+    refit_blocks: int | None = Field(None, ge=1)  # how many blocks, from the one before the span (None: all)
+    # ridge toward the current weight, relative to the mean of diag(aᵀa) of the projection's inputs
+    refit_ridge: float = Field(1e-2, ge=0)
+    # each token's squared error as it is (none) or relative to the original stream's energy there (stream)
+    refit_weighting: Literal["none", "stream"] = "none"
 
     @model_validator(mode="after")
     def _consistent(self):
+        if self.refit == "none" and {"refit_blocks", "refit_ridge", "refit_weighting"} & self.model_fields_set:
+            raise ValueError("refit_blocks, refit_ridge and refit_weighting apply to a refit: add --refit down, or drop them")
+        if self.refit != "none" and self.greedy:
+            raise ValueError("refit (--refit) cannot follow greedy removal yet: the original streams are recorded "
+                             "before the surgery, and greedy decides the blocks one removal at a time; drop one of them")
         if self.estimator == "lowrank" and self.rank is None:
             self.rank = 32
         if self.rank is not None and self.estimator != "lowrank":

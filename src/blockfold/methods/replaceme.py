@@ -21,6 +21,7 @@ after its own fix, with one pass per round.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ import torch
 from blockfold.estimate import fit_numerically, fit_span_map, linear_contribution, span_loss
 from blockfold.errors import BlockfoldError
 from blockfold.methods.base import Job
+from blockfold.methods.refit import DownstreamRefit, RemovedSpan
 from blockfold.select import best_span, best_spans, by_start, span_criteria, split_budget
 from blockfold.settings import ReplaceMe
 from blockfold.stats import NormalEquations, SpanRows, SpanSample, SpanStatistics, SpanTable
@@ -333,16 +335,22 @@ def compress_replaceme(job: Job) -> dict:
     else:
         choices = best_spans(scores[criterion], split_budget(budget, settings.spans), criterion)
     first_pass = {table.fit_length: table.normal_equations for table in measured.tables}
-    replaced, removed_so_far = [], 0
-    for choice in choices:  # shallowest first: a later span's map is refitted on the compressed model
-        start = choice.start - removed_so_far
-        equations = first_pass.get(choice.length, {}).get(choice.start) if removed_so_far == 0 else None
-        if equations is None or (equations.xtx is None and settings.estimator != "identity"):
-            equations = refit_equations(job, start, choice.length)
-        info = _replace_span(job, start, choice.length, equations)
-        replaced.append({"blocks": choice.blocks, "folded_into_block": choice.start - 1, "score": choice.score,
-                         "transform": info})
-        removed_so_far += choice.length
+    replaced, removed_so_far, refit = [], 0, None
+    with contextlib.ExitStack() as stack:
+        if settings.refit != "none":  # records the original streams before the surgery
+            refit = stack.enter_context(DownstreamRefit(job, [RemovedSpan(c.start, c.length) for c in choices],
+                                                        settings.refit_blocks, settings.refit_ridge,
+                                                        settings.refit_weighting))
+        for choice in choices:  # shallowest first: a later span's map is refitted on the compressed model
+            start = choice.start - removed_so_far
+            equations = first_pass.get(choice.length, {}).get(choice.start) if removed_so_far == 0 else None
+            if equations is None or (equations.xtx is None and settings.estimator != "identity"):
+                equations = refit_equations(job, start, choice.length)
+            info = _replace_span(job, start, choice.length, equations)
+            replaced.append({"blocks": choice.blocks, "folded_into_block": choice.start - 1, "score": choice.score,
+                             "transform": info})
+            removed_so_far += choice.length
+        refitted = refit.apply() if refit is not None else None
     selection = {
         "criterion": criterion,
         "scored_with": _scored_with(settings),
@@ -367,6 +375,8 @@ def compress_replaceme(job: Job) -> dict:
         selection["scores_per_length"] = {str(length): {name: by_start(values, length) for name, values in scores.items()}
                                           for length in lengths}
     manifest = {"removed_blocks": sorted(b for c in choices for b in c.blocks), "spans": replaced, "selection": selection}
+    if refitted is not None:
+        manifest["refit"] = refitted
     if len(replaced) == 1:  # the single-span fields every ReplaceMe manifest has had
         manifest.update(transform_folded_into_block=replaced[0]["folded_into_block"], transform=replaced[0]["transform"])
     return manifest

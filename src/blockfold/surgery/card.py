@@ -67,7 +67,13 @@ def _what_was_done(manifest: dict) -> str:
         folds = "; ".join(f"blocks {span['blocks'][0]}-{span['blocks'][-1]} replaced by a "
                           f"{span['transform'].get('estimator')} map folded into block {span['folded_into_block']}'s "
                           "down-projection" for span in spans)
-        text += f", each removed span replaced by a linear map fitted on {data} ({folds}). No parameters were added."
+        text += f", each removed span replaced by a linear map fitted on {data} ({folds})."
+        refitted = [entry["block"] for entry in (manifest.get("refit") or {}).get("blocks", []) if "skipped" not in entry]
+        if refitted:
+            text += (f" Then the down-projections of blocks {refitted[0]}-{refitted[-1]} of the result were refitted, "
+                     "layer by layer in closed form, so that each block's output on the compressed model's inputs "
+                     "matches the original model's residual stream at that depth.")
+        text += " No parameters were added."
     elif manifest.get("collapsed"):
         merges = "; ".join(f"blocks {', '.join(map(str, merge['blocks']))} into block {merge['into']}"
                            for merge in manifest["collapsed"])

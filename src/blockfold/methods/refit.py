@@ -1,0 +1,194 @@
+"""Refit the down-projections from the block before a removed span onward, so that the compressed
+model's residual stream follows the original's where the error of the removal travels (issue #16).
+
+ReplaceMe repairs the stream at one point: the map folded into the block before the span is fitted
+on the original activations, and what it misses passes through every later block unchecked. Here,
+layer by layer in closed form (the per-layer least squares that GPTQ and SparseGPT solve), the
+down-projection of each block from the one before the span is refitted so that, on the compressed
+model's own inputs, the block's output matches the original model's residual stream at that depth:
+
+    min_W ‖ a W − (h_original − h_compressed + a W₀) ‖² + λ ‖W − W₀‖²
+
+with ``a`` the projection's inputs, ``W₀`` its current weight (the fold included) and ``λ`` the
+``refit_ridge`` times the mean of ``diag(aᵀa)`` (toward the current weight, not toward zero: a
+direction the calibration tokens never excite keeps its weight). The block before the span is
+fitted on the stream after the span, so its refit is ReplaceMe's map on the ``intermediate``-sized
+activations instead of the ``hidden``-sized output: a superset of the fold, with the same weights.
+No parameter is added, so the output is the same standard checkpoint as ReplaceMe's.
+
+The original streams are recorded before the surgery (one pass to the end of the deepest span,
+keeping the input of the first refitted block and the stream after each span); after it, one
+layer-by-layer pass runs the original stream and the compressed one side by side through the kept
+blocks, refitting as it goes. Every process runs its share of the calibration sequences, and the
+sums of each layer are reduced across processes before it is solved, so all end with the same weights.
+
+A block whose MLP output passes a norm before the residual add (Gemma's sandwich blocks) or is a
+mixture of experts is run but not refitted (the least squares above needs the projection's output
+added to the stream as it is); the manifest lists such blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from blockfold import distributed
+from blockfold.estimate.lstsq import solve_normal_equations
+from blockfold.methods.base import Job
+from blockfold.pipelines import LayerProgram
+from blockfold.pipelines.buffers import ActivationStore
+from blockfold.stats.reconstruction import ProjectionEquations
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RemovedSpan:
+    start: int  # original index of the span's first block
+    length: int
+
+
+class DownstreamRefit:
+    """Use as a context around the surgery: entering records the original streams, ``apply()`` (after
+    the spans are removed) refits, leaving frees the stored activations.
+
+    ``blocks``: how many blocks to refit at each span, from the one before it (None: every later block).
+    """
+
+    def __init__(self, job: Job, spans: list[RemovedSpan], blocks: int | None, ridge: float, weighting: str = "none"):
+        self.job, self.blocks, self.ridge, self.weighting = job, blocks, ridge, weighting
+        self.spans = sorted(spans, key=lambda span: span.start)
+        self.batches, _ = distributed.shard(list(job.calibration), distributed.current())
+        self.store: ActivationStore | None = None
+
+    def __enter__(self) -> "DownstreamRefit":
+        handle = self.job.handle
+        reasons = {self._not_refittable(layer) for layer in handle.layers()}
+        self.inapplicable = reasons.pop() if len(reasons) == 1 and None not in reasons else None
+        if self.inapplicable is not None:  # no block could be refitted: no pass is spent on the streams
+            logger.warning("no down-projection of this model can be refitted (%s): the refit is skipped", self.inapplicable)
+            return self
+        self.store = ActivationStore(self.job.runner.store_kind(), handle.device, self.job.runner.execution.offload_dir)
+        try:
+            self._record_original()
+        except BaseException:
+            self.store.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.store is not None:
+            self.store.close()
+
+    def _record_original(self) -> None:
+        """The original model up to the deepest span's end: the input of the block before the first
+        span (``input:n``) and the stream after each span (``after{k}:n``), per batch ``n``."""
+        ends = {span.start + span.length - 1: number for number, span in enumerate(self.spans)}
+        first = self.spans[0].start - 1
+        program = LayerProgram(self.job.handle, self.batches, self.store, max(ends))
+        show = distributed.current().is_main
+        for index in tqdm(range(max(ends) + 1), desc="refit: the original streams", unit="layer", disable=not show):
+            if index == first:
+                for number in range(len(self.batches)):
+                    self.store.put(f"input:{number}", program.hidden(number))
+            with program.layer(index) as (_, run):
+                for number in range(len(self.batches)):
+                    program.set_hidden(number, run(program.hidden(number), number))
+            if index in ends:
+                for number in range(len(self.batches)):
+                    self.store.put(f"after{ends[index]}:{number}", program.hidden(number))
+        self.job.runner.passes += 1
+
+    def apply(self) -> dict:
+        """Refit on the compressed model (the spans removed); returns what was done, per block."""
+        job, store = self.job, self.store
+        if self.inapplicable is not None:
+            return {"projection": "down_proj", "skipped": self.inapplicable, "blocks": []}
+        removed_before, gap_blocks = 0, {}
+        for number, span in enumerate(self.spans):  # compressed index of the block before each span
+            gap_blocks[span.start - 1 - removed_before] = number
+            removed_before += span.length
+        first = min(gap_blocks)
+        refitted_layers = set(range(first, job.num_layers)) if self.blocks is None else {
+            index for gap in gap_blocks for index in range(gap, min(job.num_layers, gap + self.blocks))}
+        last = max(refitted_layers)
+        program = LayerProgram(job.handle, self.batches, store, last)
+        for number in range(len(self.batches)):
+            program.set_hidden(number, store.get(f"input:{number}"))
+            store.put(f"original:{number}", store.get(f"input:{number}"))
+        report = []
+        show = distributed.current().is_main
+        for index in tqdm(range(first, last + 1), desc="refit: down-projections", unit="layer", disable=not show):
+            with program.layer(index) as (block, run):
+                for number in range(len(self.batches)):  # the original stream through this block as it was
+                    target = (store.get(f"after{gap_blocks[index]}:{number}") if index in gap_blocks
+                              else run(store.get(f"original:{number}"), number))
+                    store.put(f"original:{number}", target)
+                reason = self._not_refittable(block) if index in refitted_layers else None
+                if reason is not None:
+                    report.append({"block": index, "skipped": reason})
+                elif index in refitted_layers:
+                    report.append({"block": index, **self._refit_block(program, block, run)})
+                for number in range(len(self.batches)):
+                    program.set_hidden(number, run(program.hidden(number), number))
+        job.runner.passes += 1
+        refitted = [entry for entry in report if "skipped" not in entry]
+        if refitted:
+            logger.info("refitted the down-projections of %d blocks: relative error of their contribution %.4g -> %.4g "
+                        "(mean over blocks)", len(refitted), sum(e["relative_error_before"] for e in refitted) / len(refitted),
+                        sum(e["relative_error_after"] for e in refitted) / len(refitted))
+        return {"projection": "down_proj", "ridge": self.ridge, "weighting": self.weighting, "blocks": report,
+                "note": "block indices are the compressed model's"}
+
+    def _not_refittable(self, block: nn.Module) -> str | None:
+        adapter = self.job.adapter
+        if adapter.is_sparse(block):
+            return "mixture of experts"
+        if adapter.mlp_norm(block) is not None:
+            return "a norm after the MLP output"
+        return None
+
+    def _refit_block(self, program: LayerProgram, block: nn.Module, run) -> dict:
+        """Sums over this process's batches (reduced across processes), the ridge solve toward the
+        current weight, and the new weight written as an edit of the down-projection."""
+        job, store = self.job, self.store
+        down = job.adapter.down_proj(block)
+        captured: dict[str, torch.Tensor] = {}
+
+        def capture(module, args, output):
+            captured["inputs"], captured["output"] = args[0], output
+
+        equations = ProjectionEquations()
+        hook = down.register_forward_hook(capture)
+        try:
+            for number, mask in enumerate(program.masks):
+                output = run(program.hidden(number), number)
+                target = store.get(f"original:{number}")
+                contribution = captured["output"][mask].double()
+                if down.bias is not None:
+                    contribution = contribution - down.bias.double()
+                stream = target[mask].double()
+                wanted = stream - output[mask].double() + contribution
+                weights = None
+                if self.weighting == "stream":  # each token's error relative to the stream it is added to
+                    weights = 1.0 / stream.pow(2).mean(-1).clamp_min(torch.finfo(torch.float64).tiny)
+                equations.add(captured["inputs"][mask], wanted, weights)
+                captured.clear()
+        finally:
+            hook.remove()
+        distributed.reduce_observers([equations], distributed.current())
+        sums = equations.finalize()
+        current = down.weight.detach().double().T  # (intermediate, hidden)
+        ridge = self.ridge * float(sums.xtx.diagonal().mean())
+        refitted, _ = solve_normal_equations(sums.xtx, sums.xty + ridge * current, ridge)
+        new_weight = refitted.T.to("cpu", job.handle.dtype).contiguous()
+        job.handle.transform(down, "weight", lambda weight: new_weight.to(weight.device, weight.dtype))
+        return {"relative_error_before": sums.relative_residual(current), "relative_error_after": sums.relative_residual(refitted),
+                "tokens": sums.tokens}
+
+
+__all__ = ["DownstreamRefit", "RemovedSpan"]

@@ -1,0 +1,149 @@
+"""The downstream refit (``--refit down``): what it changes and what it must leave alone.
+
+A span that does nothing leaves the compressed stream equal to the original, so the refit has nothing
+to correct and every weight must stay as it was; a span that does something leaves an error the refit
+lowers at every block and at the model's output; blocks it cannot refit exactly are named, not
+silently approximated; the output is a plain checkpoint of the same size."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import generate_without_blockfold, random_calibration, tiny_model, tiny_tokenizer
+
+import blockfold
+from blockfold.adapters import get_adapter
+from blockfold.cli import main
+from blockfold.errors import BlockfoldError
+from blockfold.recipe import Recipe
+
+
+def _silence_blocks(model, indices) -> None:
+    adapter = get_adapter(model)
+    with torch.no_grad():
+        for index in indices:
+            layer = adapter.layers(model)[index]
+            adapter.attention(layer).o_proj.weight.zero_()
+            adapter.down_proj(layer).weight.zero_()
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt_neox"])
+def test_a_span_that_does_nothing_leaves_every_weight_as_it_was(arch):
+    """The targets are the original stream: if they were taken one block off, or from the compressed
+    stream's own blocks, the refit would move weights here."""
+    model = tiny_model(arch)
+    if arch == "gpt_neox":
+        adapter = get_adapter(model)
+        with torch.no_grad():
+            for index in (2, 3):
+                layer = adapter.layers(model)[index]
+                layer.attention.dense.weight.zero_()
+                adapter.down_proj(layer).weight.zero_()
+    else:
+        _silence_blocks(model, (2, 3))
+    ids = torch.randint(4, 96, (2, 16))
+    with torch.no_grad():
+        expected = model(ids).logits
+    result = blockfold.compress(model, tiny_tokenizer(), blockfold.ReplaceMe(blocks=2, span_start=2, refit="down",
+                                                                             refit_ridge=0.0),
+                                calibration=random_calibration())
+    assert result.manifest["removed_blocks"] == [2, 3]
+    blocks = result.manifest["refit"]["blocks"]
+    assert [entry["block"] for entry in blocks] == [1, 2, 3]  # from the block before the span to the last
+    assert all(entry["relative_error_before"] < 1e-9 for entry in blocks)
+    with torch.no_grad():
+        assert (model(ids).logits - expected).abs().max() < 1e-4
+
+
+def _output_error(model, original, calibration) -> float:
+    with torch.no_grad():
+        errors = [(model(batch.input_ids).logits - original(batch.input_ids).logits).pow(2).mean() for batch in calibration]
+    return float(sum(errors) / len(errors))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "phi"])
+def test_the_refit_lowers_the_error_of_every_block_and_of_the_output(arch):
+    calibration = random_calibration(num_sequences=16, length=32)
+    original = tiny_model(arch)
+    plain, refitted = tiny_model(arch), tiny_model(arch)
+    blockfold.compress(plain, tiny_tokenizer(), blockfold.ReplaceMe(blocks=2, span_start=2), calibration=calibration)
+    result = blockfold.compress(refitted, tiny_tokenizer(), blockfold.ReplaceMe(blocks=2, span_start=2, refit="down"),
+                                calibration=calibration)
+    for entry in result.manifest["refit"]["blocks"]:
+        assert entry["relative_error_after"] < entry["relative_error_before"], entry
+        assert entry["tokens"] == 16 * 32
+    assert _output_error(refitted, original, calibration) < 0.8 * _output_error(plain, original, calibration)
+    assert sum(p.numel() for p in refitted.parameters()) == sum(p.numel() for p in plain.parameters())
+
+
+def test_refit_blocks_limits_the_refit_and_the_rest_stays_plain_replaceme():
+    calibration = random_calibration()
+    plain, limited = tiny_model("llama"), tiny_model("llama")
+    blockfold.compress(plain, tiny_tokenizer(), blockfold.ReplaceMe(blocks=2, span_start=2), calibration=calibration)
+    result = blockfold.compress(limited, tiny_tokenizer(), blockfold.ReplaceMe(blocks=2, span_start=2, refit="down",
+                                                                               refit_blocks=1), calibration=calibration)
+    assert [entry["block"] for entry in result.manifest["refit"]["blocks"]] == [1]
+    changed = {name for (name, a), (_, b) in zip(plain.state_dict().items(), limited.state_dict().items())
+               if not torch.equal(a, b)}
+    assert changed == {"model.layers.1.mlp.down_proj.weight"}
+
+
+def test_several_spans_take_each_span_end_as_the_target():
+    """With two spans, the block before the second gap is fitted on the stream after the second span:
+    silent spans again leave everything as it was."""
+    model = tiny_model("llama", seed=3)
+    _silence_blocks(model, (1, 4))
+    ids = torch.randint(4, 96, (2, 16))
+    with torch.no_grad():
+        expected = model(ids).logits
+    result = blockfold.compress(model, tiny_tokenizer(), blockfold.ReplaceMe(blocks=2, spans=2, criterion="fit_error",
+                                                                             refit="down", refit_ridge=0.0),
+                                calibration=random_calibration())
+    assert result.manifest["removed_blocks"] == [1, 4]
+    with torch.no_grad():
+        assert (model(ids).logits - expected).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("arch, reason", [("gemma3_text", "a norm after the MLP output"), ("mixtral", "mixture of experts")])
+def test_blocks_it_cannot_refit_exactly_are_named_and_left_as_they_are(arch, reason):
+    plain, refitted = tiny_model(arch), tiny_model(arch)
+    calibration = random_calibration()
+    blockfold.compress(plain, tiny_tokenizer(), blockfold.ReplaceMe(blocks=2, span_start=2), calibration=calibration)
+    result = blockfold.compress(refitted, tiny_tokenizer(), blockfold.ReplaceMe(blocks=2, span_start=2, refit="down"),
+                                calibration=calibration)
+    assert result.manifest["refit"]["skipped"] == reason and result.manifest["refit"]["blocks"] == []
+    for (name, a), (_, b) in zip(plain.state_dict().items(), refitted.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
+def test_refit_settings_are_refused_where_they_would_do_nothing():
+    with pytest.raises(BlockfoldError, match="--refit down"):
+        Recipe.parse({"method": "replaceme", "blocks": 2, "refit_blocks": 3})
+    with pytest.raises(BlockfoldError, match="greedy"):
+        Recipe.parse({"method": "replaceme", "blocks": 2, "greedy": True, "refit": "down"})
+    with pytest.raises(BlockfoldError, match="refit"):
+        Recipe.parse({"method": "uidl", "blocks": 2, "refit": "down"})
+
+
+def test_cli_refit_output_reloads_without_blockfold(tmp_path):
+    folder = tmp_path / "tiny"
+    tiny_model("llama").save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    corpus = tmp_path / "corpus.txt"
+    generator = torch.Generator().manual_seed(0)
+    corpus.write_text(" ".join(f"w{int(w)}" for w in torch.randint(0, 90, (4000,), generator=generator)))
+    out = tmp_path / "out"
+    assert main(["compress", "--model", str(folder), "--calib", str(corpus), "--out", str(out), "--num-seqs", "8",
+                 "--seq-len", "32", "--blocks", "2", "--refit", "down", "--refit-blocks", "2"]) == 0
+    assert "refit" in (out / "README.md").read_text()
+    assert len(generate_without_blockfold(out, [[5, 6, 7, 8]], tmp_path)[0]) > 4
+
+
+def test_refit_blocks_counts_from_the_block_before_each_span():
+    model = tiny_model("llama", seed=3)
+    _silence_blocks(model, (1, 4))
+    result = blockfold.compress(model, tiny_tokenizer(), blockfold.ReplaceMe(blocks=2, spans=2, criterion="fit_error",
+                                                                             refit="down", refit_blocks=1),
+                                calibration=random_calibration())
+    assert result.manifest["removed_blocks"] == [1, 4]
+    assert [entry["block"] for entry in result.manifest["refit"]["blocks"]] == [0, 2]  # 0-based, compressed model
