@@ -549,9 +549,18 @@ def _perplexity(value: float) -> str:
     return f"{value:.2f}" if value < 1e5 else f"{value:.1e}"
 
 
-def render_new_methods(parts: list[dict]) -> str:
+def _method_label(row: dict) -> str:
+    """The row's method spec; a ReplaceMe row that refitted nothing says so (recipe version 8 refits by default)."""
+    settings = (row.get("recipe") or {}).get("settings") or {}
+    if row["method"].split(":")[0] == "replaceme" and settings.get("refit", "none") == "none":
+        return row["method"] + " (no refit)"
+    return row["method"]
+
+
+def render_new_methods(parts: list[dict], keep: Callable[[dict], bool] | None = None) -> str:
     """Issue #16: the new methods beside the baselines, one table per model and budget (rows from every
-    run of it, each compress time in passes of its own run), perplexity on the reported and held-out texts."""
+    run of it that ``keep`` accepts, each compress time in passes of its own run), perplexity on the
+    reported and held-out texts."""
     groups: dict[tuple, list[dict]] = {}
     for results in parts:
         groups.setdefault((results["model"], results["blocks"]), []).append(results)
@@ -571,12 +580,19 @@ def render_new_methods(parts: list[dict]) -> str:
                   + f" | - | - | {first['original']['parameters'] / 1e6:.1f} M |"]
         for results in runs:
             for row in results["rows"]:
+                if keep is not None and not keep(row):
+                    continue
                 forwards = f"{row['forward_passes']:.2f}" if "forward_passes" in row else "-"
-                lines.append(f"| {row['method']} | {_span(row['removed_blocks'])} | "
+                lines.append(f"| {_method_label(row)} | {_span(row['removed_blocks'])} | "
                              + " | ".join(_perplexity(row['perplexity'][t]) for t in texts)
                              + f" | {forwards} | {row['compress_passes']:.1f} | {row['parameters'] / 1e6:.1f} M |")
         lines += ["", *_footer(runs), ""]
     return "\n".join(lines).rstrip()
+
+
+def render_refit(parts: list[dict]) -> str:
+    """Issue #16 item 2: ReplaceMe with and without the downstream refit, every variant tried, per budget."""
+    return render_new_methods(parts, keep=lambda row: row["method"].split(":")[0] == "replaceme")
 
 
 def render_selection(parts: list[dict]) -> str:
@@ -608,6 +624,8 @@ SECTIONS: dict[str, tuple[str | tuple[str, ...], Callable]] = {
     "quantized-input": ("quantized_input.json", render_quantized_input),
     "new-methods": (("new_methods.json", "new_methods_part2.json", "new_methods_part3.json"), render_new_methods),
     "selection": (("selection_smollm2_c4.json",), render_selection),
+    "refit": (("new_methods.json", "refit_study_part1.json", "refit_study_part2.json", "refit_study_part3.json",
+               "refit_validation_4.json", "refit_validation_12.json"), render_refit),
     "packing": ("calibration_packing.json", render_packing),
     "healing": (("healing.json", "healing_v3_through_norm.json"), render_healing),
     "gemma": (("gemma_sandwich.json", "gemma_placement.json"), render_gemma),

@@ -45,7 +45,7 @@ def test_a_span_that_does_nothing_leaves_every_weight_as_it_was(arch):
     with torch.no_grad():
         expected = model(ids).logits
     result = blockfold.compress(model, tiny_tokenizer(), blockfold.ReplaceMe(blocks=2, span_start=2, refit="down",
-                                                                             refit_ridge=0.0),
+                                                                             refit_blocks=10, refit_ridge=0.0),
                                 calibration=random_calibration())
     assert result.manifest["removed_blocks"] == [2, 3]
     blocks = result.manifest["refit"]["blocks"]
@@ -66,9 +66,12 @@ def test_the_refit_lowers_the_error_of_every_block_and_of_the_output(arch):
     calibration = random_calibration(num_sequences=16, length=32)
     original = tiny_model(arch)
     plain, refitted = tiny_model(arch), tiny_model(arch)
-    blockfold.compress(plain, tiny_tokenizer(), blockfold.ReplaceMe(blocks=2, span_start=2), calibration=calibration)
-    result = blockfold.compress(refitted, tiny_tokenizer(), blockfold.ReplaceMe(blocks=2, span_start=2, refit="down"),
+    blockfold.compress(plain, tiny_tokenizer(), blockfold.ReplaceMe(blocks=2, span_start=2, refit="none"),
+                       calibration=calibration)
+    result = blockfold.compress(refitted, tiny_tokenizer(), blockfold.ReplaceMe(blocks=2, span_start=2, refit="down",
+                                                                                refit_blocks=10),
                                 calibration=calibration)
+    assert len(result.manifest["refit"]["blocks"]) == 3
     for entry in result.manifest["refit"]["blocks"]:
         assert entry["relative_error_after"] < entry["relative_error_before"], entry
         assert entry["tokens"] == 16 * 32
@@ -79,7 +82,8 @@ def test_the_refit_lowers_the_error_of_every_block_and_of_the_output(arch):
 def test_refit_blocks_limits_the_refit_and_the_rest_stays_plain_replaceme():
     calibration = random_calibration()
     plain, limited = tiny_model("llama"), tiny_model("llama")
-    blockfold.compress(plain, tiny_tokenizer(), blockfold.ReplaceMe(blocks=2, span_start=2), calibration=calibration)
+    blockfold.compress(plain, tiny_tokenizer(), blockfold.ReplaceMe(blocks=2, span_start=2, refit="none"),
+                       calibration=calibration)
     result = blockfold.compress(limited, tiny_tokenizer(), blockfold.ReplaceMe(blocks=2, span_start=2, refit="down",
                                                                                refit_blocks=1), calibration=calibration)
     assert [entry["block"] for entry in result.manifest["refit"]["blocks"]] == [1]
@@ -108,7 +112,8 @@ def test_several_spans_take_each_span_end_as_the_target():
 def test_blocks_it_cannot_refit_exactly_are_named_and_left_as_they_are(arch, reason):
     plain, refitted = tiny_model(arch), tiny_model(arch)
     calibration = random_calibration()
-    blockfold.compress(plain, tiny_tokenizer(), blockfold.ReplaceMe(blocks=2, span_start=2), calibration=calibration)
+    blockfold.compress(plain, tiny_tokenizer(), blockfold.ReplaceMe(blocks=2, span_start=2, refit="none"),
+                       calibration=calibration)
     result = blockfold.compress(refitted, tiny_tokenizer(), blockfold.ReplaceMe(blocks=2, span_start=2, refit="down"),
                                 calibration=calibration)
     assert result.manifest["refit"]["skipped"] == reason and result.manifest["refit"]["blocks"] == []
@@ -116,9 +121,25 @@ def test_blocks_it_cannot_refit_exactly_are_named_and_left_as_they_are(arch, rea
         assert torch.equal(a, b), name
 
 
+def test_the_default_refits_two_blocks_per_span_except_where_it_cannot_apply():
+    assert (blockfold.ReplaceMe().refit, blockfold.ReplaceMe().refit_blocks) == ("down", 2)
+    assert blockfold.ReplaceMe(greedy=True).refit == "none"
+    assert blockfold.ReplaceMe(estimator="identity").refit == "none"  # plain removal stays plain
+    saved = Recipe.parse({"method": "replaceme", "blocks": 2, "refit": "none"}).model_dump(mode="json")
+    assert Recipe.parse(saved).settings.refit == "none"  # a saved recipe replays (its defaults included)
+
+
+def test_a_version_7_recipe_keeps_folding_the_map_alone():
+    migrated = Recipe.parse({"recipe_version": 7, "method": "replaceme", "settings": {"blocks": 2}})
+    assert migrated.settings.refit == "none" and migrated.settings.refit_blocks is None
+    explicit = Recipe.parse({"recipe_version": 7, "method": "replaceme", "settings": {"blocks": 2, "refit": "down",
+                                                                                     "refit_blocks": 3}})
+    assert explicit.settings.refit == "down" and explicit.settings.refit_blocks == 3
+
+
 def test_refit_settings_are_refused_where_they_would_do_nothing():
     with pytest.raises(BlockfoldError, match="--refit down"):
-        Recipe.parse({"method": "replaceme", "blocks": 2, "refit_blocks": 3})
+        Recipe.parse({"method": "replaceme", "blocks": 2, "refit": "none", "refit_blocks": 3})
     with pytest.raises(BlockfoldError, match="greedy"):
         Recipe.parse({"method": "replaceme", "blocks": 2, "greedy": True, "refit": "down"})
     with pytest.raises(BlockfoldError, match="refit"):

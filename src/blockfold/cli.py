@@ -152,10 +152,11 @@ def _add_compress(sub) -> None:
                    help="streamline: Adam steps training the block that replaces the span (default 200; 0: untrained)")
     p.add_argument("--train-lr", type=float, help="streamline: learning rate of that training (default 1e-4)")
     p.add_argument("--refit", choices=_choices("refit"),
-                   help="replaceme: after the surgery, refit the down-projections from the block before the span "
-                        "onward to the original stream, layer by layer in closed form (down); none: plain ReplaceMe")
-    p.add_argument("--refit-blocks", type=int, help="replaceme --refit: how many blocks, from the one before the span "
-                                                    "(default: every later block)")
+                   help="replaceme: after the surgery, refit the down-projections from the block before each span "
+                        "onward to the original stream, layer by layer in closed form (down, the default); none: "
+                        "plain ReplaceMe")
+    p.add_argument("--refit-blocks", type=int, help="replaceme --refit: how many blocks per span, from the one before it "
+                                                    "(default 2)")
     p.add_argument("--refit-ridge", type=float, help="replaceme --refit: ridge toward the current weights, relative "
                                                      "to the mean input energy (default 0.01)")
     p.add_argument("--refit-weighting", choices=_choices("refit_weighting"),

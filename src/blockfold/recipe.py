@@ -5,7 +5,9 @@ and the calibration data. It is saved next to every output with every default re
 can be repeated, and a report rebuilt, from the output folder alone. (Where and in what precision
 a job runs is not the recipe's business: see ``runtime.Execution``.)
 
-Version 7 (this one): ReplaceMe scores candidate spans with the unconstrained least-squares map
+Version 8 (this one): ReplaceMe refits the down-projections of the block before each span and the
+next one to the original stream (``refit: down``, ``refit_blocks: 2``); a version 7 or older recipe
+folds the map alone (``refit: none``). Version 7: ReplaceMe scores candidate spans with the unconstrained least-squares map
 whatever its estimator folds (``span_scoring: lstsq``); a version 6 or older recipe keeps scoring with
 the estimator's own map. Version 6 made NBL's ranking ``auto``. Version 5: ReplaceMe's span
 ``criterion`` defaults to ``fit_error``. Version 4 made
@@ -31,7 +33,7 @@ from blockfold.errors import BlockfoldError
 from blockfold.schema import Strict
 from blockfold.settings import SETTINGS, MethodSettings
 
-RECIPE_VERSION = 7
+RECIPE_VERSION = 8
 
 
 class CalibrationConfig(Strict):
@@ -109,7 +111,7 @@ class Recipe(Strict):
     a flat field the method does not have is an error naming the method's own settings.
     """
 
-    recipe_version: Literal[7] = RECIPE_VERSION
+    recipe_version: Literal[8] = RECIPE_VERSION
     method: str = "replaceme"
     settings: SerializeAsAny[MethodSettings]
     calibration: CalibrationConfig = Field(default_factory=CalibrationConfig)
@@ -132,6 +134,8 @@ class Recipe(Strict):
             data = _migrate_v5(data)
         if data.get("recipe_version") == 6:
             data = _migrate_v6(data)
+        if data.get("recipe_version") == 7:
+            data = _migrate_v7(data)
         method = data.get("method", "replaceme")
         if method not in SETTINGS:
             raise ValueError(f"unknown method {method!r}; choose one of {', '.join(sorted(SETTINGS))}")
@@ -250,6 +254,15 @@ def _migrate_v6(data: dict) -> dict:
     if isinstance(settings, dict) and data.get("method", "replaceme") in ("replaceme", "uidl") \
             and "span_scoring" not in settings:
         settings = {**settings, "span_scoring": "estimator"}
+    return {**data, "recipe_version": 7, "settings": settings}
+
+
+def _migrate_v7(data: dict) -> dict:
+    """A version 7 recipe as version 8: ReplaceMe folded the map and refitted nothing; version 8
+    refits the down-projections around each span by default."""
+    settings = data.get("settings") or {}
+    if isinstance(settings, dict) and data.get("method", "replaceme") == "replaceme" and "refit" not in settings:
+        settings = {**settings, "refit": "none"}
     return {**data, "recipe_version": RECIPE_VERSION, "settings": settings}
 
 

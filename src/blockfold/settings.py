@@ -140,11 +140,15 @@ class ReplaceMe(SpanSelection):
     # the lower loss on held-out calibration tokens
     sandwich_fold: Literal["auto", "compare", "linearized-norm", "through-norm"] = "auto"
     cosine: CosineConfig = Field(default_factory=CosineConfig)
-    # after the surgery, refit the down-projections from the block before the span onward so that each
-    # block's output on the compressed model's inputs matches the original stream at its depth
-    # (methods/refit.py): none, or down (closed form per layer, no parameter added)
-    refit: Literal["none", "down"] = "none"
-    refit_blocks: int | None = Field(None, ge=1)  # how many blocks, from the one before the span (None: all)
+    # after the surgery, refit the down-projections of the block before each span and the blocks after
+    # it so that each block's output on the compressed model's inputs matches the original stream at its
+    # depth (methods/refit.py): down (recipe version 8's default; none where greedy or the identity
+    # estimator runs) or none, plain ReplaceMe. On SmolLM2-135M at 8 of 30 blocks (issue-2 calibration)
+    # refitting 2 blocks per span took WikiText-2 perplexity 102.6 -> 95.0 and held-out text 8-10 %
+    # lower; refitting every later block was worse than none on WikiText-2 (BENCHMARKS.md "Downstream refit")
+    refit: Literal["none", "down"] | None = None
+    # how many blocks per span, from the one before it (default 2; a number past the last block refits all)
+    refit_blocks: int | None = Field(None, ge=1)
     # ridge toward the current weight, relative to the mean of diag(aᵀa) of the projection's inputs
     refit_ridge: float = Field(1e-2, ge=0)
     # each token's squared error as it is (none) or relative to the original stream's energy there (stream)
@@ -152,8 +156,16 @@ class ReplaceMe(SpanSelection):
 
     @model_validator(mode="after")
     def _consistent(self):
-        if self.refit == "none" and {"refit_blocks", "refit_ridge", "refit_weighting"} & self.model_fields_set:
-            raise ValueError("refit_blocks, refit_ridge and refit_weighting apply to a refit: add --refit down, or drop them")
+        if self.refit is None:  # a refit needs the spans before the surgery, and plain removal stays plain
+            self.refit = "none" if self.greedy or self.estimator == "identity" else "down"
+        if self.refit == "none":
+            defaults = type(self).model_fields
+            if (self.refit_blocks is not None or self.refit_ridge != defaults["refit_ridge"].default
+                    or self.refit_weighting != defaults["refit_weighting"].default):
+                raise ValueError("refit_blocks, refit_ridge and refit_weighting apply to a refit: add --refit down, "
+                                 "or drop them")
+        elif self.refit_blocks is None:
+            self.refit_blocks = 2
         if self.refit != "none" and self.greedy:
             raise ValueError("refit (--refit) cannot follow greedy removal yet: the original streams are recorded "
                              "before the surgery, and greedy decides the blocks one removal at a time; drop one of them")

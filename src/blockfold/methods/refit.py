@@ -56,10 +56,10 @@ class DownstreamRefit:
     """Use as a context around the surgery: entering records the original streams, ``apply()`` (after
     the spans are removed) refits, leaving frees the stored activations.
 
-    ``blocks``: how many blocks to refit at each span, from the one before it (None: every later block).
+    ``blocks``: how many blocks to refit at each span, from the one before it.
     """
 
-    def __init__(self, job: Job, spans: list[RemovedSpan], blocks: int | None, ridge: float, weighting: str = "none"):
+    def __init__(self, job: Job, spans: list[RemovedSpan], blocks: int, ridge: float, weighting: str = "none"):
         self.job, self.blocks, self.ridge, self.weighting = job, blocks, ridge, weighting
         self.spans = sorted(spans, key=lambda span: span.start)
         self.batches, _ = distributed.shard(list(job.calibration), distributed.current())
@@ -113,8 +113,7 @@ class DownstreamRefit:
             gap_blocks[span.start - 1 - removed_before] = number
             removed_before += span.length
         first = min(gap_blocks)
-        refitted_layers = set(range(first, job.num_layers)) if self.blocks is None else {
-            index for gap in gap_blocks for index in range(gap, min(job.num_layers, gap + self.blocks))}
+        refitted_layers = {index for gap in gap_blocks for index in range(gap, min(job.num_layers, gap + self.blocks))}
         last = max(refitted_layers)
         program = LayerProgram(job.handle, self.batches, store, last)
         for number in range(len(self.batches)):
