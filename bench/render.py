@@ -624,7 +624,7 @@ SECTIONS: dict[str, tuple[str | tuple[str, ...], Callable]] = {
     "quantized-input": ("quantized_input.json", render_quantized_input),
     "new-methods": (("new_methods.json", "new_methods_part2.json", "new_methods_part3.json"), render_new_methods),
     "selection": (("selection_smollm2_c4.json",), render_selection),
-    "refit": (("new_methods.json", "refit_study_part1.json", "refit_study_part2.json", "refit_study_part3.json",
+    "refit": (("new_methods_part2.json", "refit_study_part1.json", "refit_study_part2.json", "refit_study_part3.json",
                "refit_validation_4.json", "refit_validation_12.json"), render_refit),
     "packing": ("calibration_packing.json", render_packing),
     "healing": (("healing.json", "healing_v3_through_norm.json"), render_healing),

@@ -305,12 +305,13 @@ def test_a_shared_first_pass_gives_the_same_compressions(tokenizer):
         model = copy.deepcopy(base)
         manifest = blockfold.compress(model, tokenizer, {"method": method, "blocks": blocks}, calibration=calibration,
                                       cache=cache).manifest
-        assert manifest["removed_blocks"] == removed and manifest["execution"]["passes"] == 0
+        # the selection's pass is shared; the default refit's two passes run on each model's own streams
+        assert manifest["removed_blocks"] == removed and manifest["execution"]["passes"] == (2 if method == "replaceme" else 0)
         assert all(torch.allclose(weights[k], v, atol=1e-6) for k, v in model.state_dict().items())
     other = tiny_model("llama", seed=3)
     expected = blockfold.compress(copy.deepcopy(other), tokenizer, {"blocks": 2}, calibration=calibration).manifest
     got = blockfold.compress(copy.deepcopy(other), tokenizer, {"blocks": 2}, calibration=calibration, cache=cache).manifest
-    assert got["execution"]["passes"] == 1
+    assert got["execution"]["passes"] == 1 + 2
     assert got["selection"]["candidates"] == expected["selection"]["candidates"]
 
 

@@ -142,8 +142,8 @@ class ReplaceMe(SpanSelection):
     cosine: CosineConfig = Field(default_factory=CosineConfig)
     # after the surgery, refit the down-projections of the block before each span and the blocks after
     # it so that each block's output on the compressed model's inputs matches the original stream at its
-    # depth (methods/refit.py): down (recipe version 8's default; none where greedy or the identity
-    # estimator runs) or none, plain ReplaceMe. On SmolLM2-135M at 8 of 30 blocks (issue-2 calibration)
+    # depth (methods/refit.py): down (recipe version 8's default with the lstsq map; none with greedy and
+    # with the other estimators, whose constraint a refit would undo) or none, plain ReplaceMe. On SmolLM2-135M at 8 of 30 blocks (issue-2 calibration)
     # refitting 2 blocks per span took WikiText-2 perplexity 102.6 -> 95.0 and held-out text 8-10 %
     # lower; refitting every later block was worse than none on WikiText-2 (BENCHMARKS.md "Downstream refit")
     refit: Literal["none", "down"] | None = None
@@ -157,7 +157,7 @@ class ReplaceMe(SpanSelection):
     @model_validator(mode="after")
     def _consistent(self):
         if self.refit is None:  # a refit needs the spans before the surgery, and plain removal stays plain
-            self.refit = "none" if self.greedy or self.estimator == "identity" else "down"
+            self.refit = "down" if self.estimator == "lstsq" and not self.greedy else "none"
         if self.refit == "none":
             defaults = type(self).model_fields
             if (self.refit_blocks is not None or self.refit_ridge != defaults["refit_ridge"].default
