@@ -110,6 +110,30 @@ def random_calibration(num_sequences=8, length=24, batch_size=4, seed=1) -> Cali
     return CalibrationSet(batches, {"source": "random", "sequences": num_sequences, "tokens": ids.numel()})
 
 
+def silence_blocks(model, indices) -> None:
+    """Zero the attention and MLP output projections of blocks ``indices``: each then passes its input
+    through unchanged (a span any method should remove without a trace)."""
+    from blockfold.adapters import get_adapter
+
+    adapter = get_adapter(model)
+    with torch.no_grad():
+        for index in indices:
+            layer = adapter.layers(model)[index]
+            adapter.attention(layer).o_proj.weight.zero_()
+            adapter.down_proj(layer).weight.zero_()
+
+
+def tiny_folder_and_corpus(tmp_path: Path) -> tuple[Path, Path]:
+    """A tiny Llama saved with its tokenizer, and a text of its words, for ``blockfold compress`` runs."""
+    folder = tmp_path / "tiny"
+    tiny_model("llama").save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    corpus = tmp_path / "corpus.txt"
+    generator = torch.Generator().manual_seed(0)
+    corpus.write_text(" ".join(f"w{int(w)}" for w in torch.randint(0, 90, (4000,), generator=generator)))
+    return folder, corpus
+
+
 def handle_of(model, tokenizer=None):
     """A resident ModelHandle of a model built in memory (no checkpoint behind it)."""
     from blockfold.api import as_handle

@@ -4,26 +4,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import random_calibration, tiny_model
+from conftest import random_calibration, silence_blocks, tiny_model
 
 import blockfold
 from blockfold.adapters import get_adapter
 
 
-def _make_blocks_identity(model, blocks):
-    """Zero the output projections of ``blocks``: each then passes its input through unchanged."""
-    adapter = get_adapter(model)
-    with torch.no_grad():
-        for index in blocks:
-            layer = adapter.layers(model)[index]
-            adapter.attention(layer).o_proj.weight.zero_()
-            adapter.down_proj(layer).weight.zero_()
-
-
 @pytest.mark.parametrize("identity_blocks", [[1, 4], [2, 3]])
 def test_drop_block_removes_the_blocks_that_do_nothing(tokenizer, identity_blocks):
     model = tiny_model("llama")
-    _make_blocks_identity(model, identity_blocks)
+    silence_blocks(model, identity_blocks)
     ids = torch.randint(4, 96, (2, 16))
     with torch.no_grad():
         expected = model(ids).logits
@@ -36,7 +26,7 @@ def test_drop_block_removes_the_blocks_that_do_nothing(tokenizer, identity_block
 
 def test_uidl_removes_the_contiguous_do_nothing_span_without_a_transform(tokenizer):
     model = tiny_model("llama")
-    _make_blocks_identity(model, [3, 4])
+    silence_blocks(model, [3, 4])
     down_before = get_adapter(model).down_proj(get_adapter(model).layers(model)[2]).weight.clone()
     result = blockfold.compress(model, tokenizer, {"method": "uidl", "blocks": 2}, calibration=random_calibration())
     assert result.manifest["removed_blocks"] == [3, 4]

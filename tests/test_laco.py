@@ -8,7 +8,8 @@ import copy
 
 import pytest
 import torch
-from conftest import MOE_ARCHITECTURES, generate_without_blockfold, handle_of, random_calibration, tiny_model, tiny_tokenizer
+from conftest import (MOE_ARCHITECTURES, generate_without_blockfold, handle_of, random_calibration, tiny_folder_and_corpus,
+                      tiny_model, tiny_tokenizer)
 
 import blockfold
 from blockfold.adapters import get_adapter
@@ -86,12 +87,7 @@ def test_the_budget_is_met_exactly_with_a_smaller_last_merge():
 
 
 def test_cli_laco_output_reloads_without_blockfold(tmp_path):
-    folder = tmp_path / "tiny"
-    tiny_model("llama").save_pretrained(folder)
-    tiny_tokenizer().save_pretrained(folder)
-    corpus = tmp_path / "corpus.txt"
-    generator = torch.Generator().manual_seed(0)
-    corpus.write_text(" ".join(f"w{int(w)}" for w in torch.randint(0, 90, (4000,), generator=generator)))
+    folder, corpus = tiny_folder_and_corpus(tmp_path)
     out = tmp_path / "out"
     assert main(["compress", "--model", str(folder), "--calib", str(corpus), "--out", str(out), "--num-seqs", "8",
                  "--seq-len", "32", "--method", "laco", "--blocks", "2", "--merge-layers", "3",

@@ -8,7 +8,8 @@ import copy
 
 import pytest
 import torch
-from conftest import ARCHITECTURES, MOE_ARCHITECTURES, generate_without_blockfold, random_calibration, tiny_model, tiny_tokenizer
+from conftest import (ARCHITECTURES, MOE_ARCHITECTURES, generate_without_blockfold, random_calibration, silence_blocks,
+                      tiny_folder_and_corpus, tiny_model, tiny_tokenizer)
 
 import blockfold
 from blockfold.adapters import get_adapter
@@ -66,12 +67,7 @@ def test_output_is_the_span_removed_and_the_patch_applied_at_the_gap(arch, patch
 
 def test_a_span_that_does_nothing_gets_the_identity_patch():
     model = tiny_model("llama")
-    adapter = get_adapter(model)
-    with torch.no_grad():
-        for index in (3, 4):
-            layer = adapter.layers(model)[index]
-            adapter.attention(layer).o_proj.weight.zero_()
-            adapter.down_proj(layer).weight.zero_()
+    silence_blocks(model, (3, 4))
     ids = torch.randint(4, 96, (2, 16))
     with torch.no_grad():
         expected = model(ids).logits
@@ -84,12 +80,7 @@ def test_a_span_that_does_nothing_gets_the_identity_patch():
 
 
 def test_cli_linear_patch_reloads_with_its_shipped_code(tmp_path, capsys):
-    folder = tmp_path / "tiny"
-    tiny_model("llama").save_pretrained(folder)
-    tiny_tokenizer().save_pretrained(folder)
-    corpus = tmp_path / "corpus.txt"
-    generator = torch.Generator().manual_seed(0)
-    corpus.write_text(" ".join(f"w{int(w)}" for w in torch.randint(0, 90, (4000,), generator=generator)))
+    folder, corpus = tiny_folder_and_corpus(tmp_path)
     out = tmp_path / "out"
     assert main(["compress", "--model", str(folder), "--calib", str(corpus), "--out", str(out), "--num-seqs", "8",
                  "--seq-len", "32", "--method", "linear-patch", "--blocks", "3", "--patch", "full"]) == 0

@@ -9,8 +9,8 @@ import copy
 import pytest
 import torch
 from conftest import (
-    ARCHITECTURES, MOE_ARCHITECTURES, generate_without_blockfold, handle_of, random_calibration, tiny_model,
-    tiny_tokenizer,
+    ARCHITECTURES, MOE_ARCHITECTURES, generate_without_blockfold, handle_of, random_calibration, tiny_folder_and_corpus,
+    tiny_model, tiny_tokenizer,
 )
 
 import blockfold
@@ -117,12 +117,7 @@ def test_compensation_is_what_separates_prune_comp_from_iterative_removal():
 
 
 def test_cli_prune_comp_by_perplexity_reloads_without_blockfold(tmp_path, capsys):
-    folder = tmp_path / "tiny"
-    tiny_model("llama").save_pretrained(folder)
-    tiny_tokenizer().save_pretrained(folder)
-    corpus = tmp_path / "corpus.txt"
-    generator = torch.Generator().manual_seed(0)
-    corpus.write_text(" ".join(f"w{int(w)}" for w in torch.randint(0, 90, (4000,), generator=generator)))
+    folder, corpus = tiny_folder_and_corpus(tmp_path)
     out = tmp_path / "out"
     assert main(["compress", "--model", str(folder), "--calib", str(corpus), "--out", str(out), "--num-seqs", "8",
                  "--seq-len", "32", "--method", "prune-comp", "--blocks", "2", "--importance", "perplexity"]) == 0

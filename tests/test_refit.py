@@ -9,22 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import generate_without_blockfold, random_calibration, tiny_model, tiny_tokenizer
+from conftest import generate_without_blockfold, random_calibration, silence_blocks, tiny_folder_and_corpus, tiny_model, tiny_tokenizer
 
 import blockfold
 from blockfold.adapters import get_adapter
 from blockfold.cli import main
 from blockfold.errors import BlockfoldError
 from blockfold.recipe import Recipe
-
-
-def _silence_blocks(model, indices) -> None:
-    adapter = get_adapter(model)
-    with torch.no_grad():
-        for index in indices:
-            layer = adapter.layers(model)[index]
-            adapter.attention(layer).o_proj.weight.zero_()
-            adapter.down_proj(layer).weight.zero_()
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt_neox"])
@@ -40,7 +31,7 @@ def test_a_span_that_does_nothing_leaves_every_weight_as_it_was(arch):
                 layer.attention.dense.weight.zero_()
                 adapter.down_proj(layer).weight.zero_()
     else:
-        _silence_blocks(model, (2, 3))
+        silence_blocks(model, (2, 3))
     ids = torch.randint(4, 96, (2, 16))
     with torch.no_grad():
         expected = model(ids).logits
@@ -96,7 +87,7 @@ def test_several_spans_take_each_span_end_as_the_target():
     """With two spans, the block before the second gap is fitted on the stream after the second span:
     silent spans again leave everything as it was."""
     model = tiny_model("llama", seed=3)
-    _silence_blocks(model, (1, 4))
+    silence_blocks(model, (1, 4))
     ids = torch.randint(4, 96, (2, 16))
     with torch.no_grad():
         expected = model(ids).logits
@@ -147,12 +138,7 @@ def test_refit_settings_are_refused_where_they_would_do_nothing():
 
 
 def test_cli_refit_output_reloads_without_blockfold(tmp_path):
-    folder = tmp_path / "tiny"
-    tiny_model("llama").save_pretrained(folder)
-    tiny_tokenizer().save_pretrained(folder)
-    corpus = tmp_path / "corpus.txt"
-    generator = torch.Generator().manual_seed(0)
-    corpus.write_text(" ".join(f"w{int(w)}" for w in torch.randint(0, 90, (4000,), generator=generator)))
+    folder, corpus = tiny_folder_and_corpus(tmp_path)
     out = tmp_path / "out"
     assert main(["compress", "--model", str(folder), "--calib", str(corpus), "--out", str(out), "--num-seqs", "8",
                  "--seq-len", "32", "--blocks", "2", "--refit", "down", "--refit-blocks", "2"]) == 0
@@ -162,7 +148,7 @@ def test_cli_refit_output_reloads_without_blockfold(tmp_path):
 
 def test_refit_blocks_counts_from_the_block_before_each_span():
     model = tiny_model("llama", seed=3)
-    _silence_blocks(model, (1, 4))
+    silence_blocks(model, (1, 4))
     result = blockfold.compress(model, tiny_tokenizer(), blockfold.ReplaceMe(blocks=2, spans=2, criterion="fit_error",
                                                                              refit="down", refit_blocks=1),
                                 calibration=random_calibration())

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import generate_without_blockfold, random_calibration, tiny_model, tiny_tokenizer
+from conftest import (generate_without_blockfold, random_calibration, silence_blocks, tiny_folder_and_corpus, tiny_model,
+                      tiny_tokenizer)
 
 import blockfold
-from blockfold.adapters import get_adapter
 from blockfold.cli import main
 
 
@@ -27,12 +27,7 @@ def test_a_span_whose_later_blocks_do_nothing_is_kept_exactly():
     """Where the span's later blocks add nothing, the target is the span's first block's own output, so
     the untrained block is already exact and training leaves it there."""
     model = tiny_model("llama")
-    adapter = get_adapter(model)
-    with torch.no_grad():
-        for index in (2, 3, 4, 5):
-            layer = adapter.layers(model)[index]
-            adapter.attention(layer).o_proj.weight.zero_()
-            adapter.down_proj(layer).weight.zero_()
+    silence_blocks(model, (2, 3, 4, 5))
     ids = torch.randint(4, 96, (2, 16))
     with torch.no_grad():
         expected = model(ids).logits
@@ -45,12 +40,7 @@ def test_a_span_whose_later_blocks_do_nothing_is_kept_exactly():
 
 
 def test_cli_streamline_output_reloads_without_blockfold(tmp_path):
-    folder = tmp_path / "tiny"
-    tiny_model("llama").save_pretrained(folder)
-    tiny_tokenizer().save_pretrained(folder)
-    corpus = tmp_path / "corpus.txt"
-    generator = torch.Generator().manual_seed(0)
-    corpus.write_text(" ".join(f"w{int(w)}" for w in torch.randint(0, 90, (4000,), generator=generator)))
+    folder, corpus = tiny_folder_and_corpus(tmp_path)
     out = tmp_path / "out"
     assert main(["compress", "--model", str(folder), "--calib", str(corpus), "--out", str(out), "--num-seqs", "8",
                  "--seq-len", "32", "--method", "streamline", "--blocks", "2", "--train-steps", "4"]) == 0

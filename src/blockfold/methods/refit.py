@@ -64,12 +64,13 @@ class DownstreamRefit:
         self.spans = sorted(spans, key=lambda span: span.start)
         self.batches, _ = distributed.shard(list(job.calibration), distributed.current())
         self.store: ActivationStore | None = None
+        reasons = {self._not_refittable(layer) for layer in job.handle.layers()}
+        #: why no block of this model can be refitted (then no pass is spent on the streams), else None
+        self.inapplicable = None if None in reasons else ", ".join(sorted(reasons))
 
     def __enter__(self) -> "DownstreamRefit":
         handle = self.job.handle
-        reasons = {self._not_refittable(layer) for layer in handle.layers()}
-        self.inapplicable = reasons.pop() if len(reasons) == 1 and None not in reasons else None
-        if self.inapplicable is not None:  # no block could be refitted: no pass is spent on the streams
+        if self.inapplicable is not None:
             logger.warning("no down-projection of this model can be refitted (%s): the refit is skipped", self.inapplicable)
             return self
         self.store = ActivationStore(self.job.runner.store_kind(), handle.device, self.job.runner.execution.offload_dir)
