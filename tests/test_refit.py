@@ -146,7 +146,7 @@ def test_cli_refit_output_reloads_without_blockfold(tmp_path):
     assert len(generate_without_blockfold(out, [[5, 6, 7, 8]], tmp_path)[0]) > 4
 
 
-def test_refit_blocks_counts_from_the_block_before_each_span():
+def test_refit_blocks_counts_from_the_block_before_each_span(tmp_path):
     model = tiny_model("llama", seed=3)
     silence_blocks(model, (1, 4))
     result = blockfold.compress(model, tiny_tokenizer(), blockfold.ReplaceMe(blocks=2, spans=2, criterion="fit_error",
@@ -154,3 +154,5 @@ def test_refit_blocks_counts_from_the_block_before_each_span():
                                 calibration=random_calibration())
     assert result.manifest["removed_blocks"] == [1, 4]
     assert [entry["block"] for entry in result.manifest["refit"]["blocks"]] == [0, 2]  # 0-based, compressed model
+    card = (result.save(tmp_path / "out") / "README.md").read_text()
+    assert "down-projections of blocks 0, 2 of the result were refitted" in card

@@ -70,7 +70,7 @@ def _what_was_done(manifest: dict) -> str:
         text += f", each removed span replaced by a linear map fitted on {data} ({folds})."
         refitted = [entry["block"] for entry in (manifest.get("refit") or {}).get("blocks", []) if "skipped" not in entry]
         if refitted:
-            text += (f" Then the down-projections of blocks {refitted[0]}-{refitted[-1]} of the result were refitted, "
+            text += (f" Then the down-projections of blocks {', '.join(map(str, refitted))} of the result were refitted, "
                      "layer by layer in closed form, so that each block's output on the compressed model's inputs "
                      "matches the original model's residual stream at that depth.")
         text += " No parameters were added."
