@@ -6,8 +6,7 @@ import json
 
 import numpy as np
 import torch
-from conftest import tiny_model, tiny_tokenizer
-from test_baselines import _make_blocks_identity
+from conftest import silence_blocks, tiny_model, tiny_tokenizer
 
 from blockfold.cli import main
 from blockfold.stats.similarity import pairwise_linear_cka
@@ -25,7 +24,7 @@ def test_pairwise_cka_is_one_on_the_diagonal_and_invariant_to_rotation_and_scale
 def test_analyze_cli_writes_json_and_figures(tmp_path, capsys):
     folder = tmp_path / "tiny"
     model = tiny_model("llama")
-    _make_blocks_identity(model, [3])
+    silence_blocks(model, [3])
     model.save_pretrained(folder)
     tiny_tokenizer().save_pretrained(folder)
     corpus = tmp_path / "corpus.txt"

@@ -7,8 +7,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from conftest import handle_of, random_calibration, stream, tiny_model
-from test_baselines import _make_blocks_identity
+from conftest import handle_of, random_calibration, silence_blocks, stream, tiny_model
 
 import blockfold
 from blockfold.adapters import get_adapter
@@ -142,7 +141,7 @@ def test_greedy_removes_scattered_do_nothing_blocks(tokenizer, criterion):
     """Blocks 1 and 4 pass their input through: one contiguous span cannot take both, greedy does,
     with a fitted map that is the identity, so the logits do not move."""
     model = tiny_model("llama")
-    _make_blocks_identity(model, [1, 4])
+    silence_blocks(model, [1, 4])
     ids = torch.randint(4, 96, (2, 16))
     with torch.no_grad():
         expected = model(ids).logits
@@ -158,7 +157,7 @@ def test_greedy_removes_scattered_do_nothing_blocks(tokenizer, criterion):
 def test_greedy_order_follows_the_criterion_after_each_removal(tokenizer):
     """The first round's candidates are every removable block; the chosen one scores lowest."""
     model = tiny_model("llama")
-    _make_blocks_identity(model, [3])
+    silence_blocks(model, [3])
     result = blockfold.compress(model, tokenizer, {"blocks": 2, "greedy": True}, calibration=random_calibration())
     steps = result.manifest["selection"]["greedy_steps"]
     assert steps[0]["block"] == 3 and steps[0]["score"] == min(steps[0]["candidates"].values())
@@ -167,7 +166,7 @@ def test_greedy_order_follows_the_criterion_after_each_removal(tokenizer):
 
 def test_two_spans_each_get_a_transform(tokenizer):
     model = tiny_model("llama")
-    _make_blocks_identity(model, [1, 3, 4])
+    silence_blocks(model, [1, 3, 4])
     ids = torch.randint(4, 96, (2, 16))
     with torch.no_grad():
         expected = model(ids).logits
@@ -183,7 +182,7 @@ def test_two_spans_each_get_a_transform(tokenizer):
 
 def test_touching_spans_become_one_transform(tokenizer):
     model = tiny_model("llama")
-    _make_blocks_identity(model, [2, 3])
+    silence_blocks(model, [2, 3])
     result = blockfold.compress(model, tokenizer, {"blocks": 2, "spans": 2}, calibration=random_calibration(num_sequences=16))
     assert [span["blocks"] for span in result.manifest["spans"]] == [[2, 3]]
     assert result.manifest["transform_folded_into_block"] == 1
