@@ -80,15 +80,21 @@ def main() -> None:
                                                     "lambada_openai), run on a bfloat16 copy of each model")
     parser.add_argument("--limit", type=int, default=500, help="first N examples per task")
     parser.add_argument("--no-perplexity", action="store_true", help="harness accuracy only")
+    parser.add_argument("--sleb-sequences", type=int, default=4,
+                        help="SLEB alone calibrates on this many sequences of 256 tokens: it scores every "
+                             "remaining block with the whole model's loss at every step (issue #3's setting)")
     args = parser.parse_args()
     results = {"provenance": provenance(["bench/new_methods.py", *sys.argv[1:]]), "model": args.model,
                "blocks": args.blocks, "rows": []}
     loaded = blockfold.load_model(args.model)
     calibration = build_calibration(CalibrationConfig(source=str(DATA / "c4_demo.jsonl"),
                                                       max_documents=CALIBRATION_DOCUMENTS), loaded.tokenizer)
+    sleb_calibration = build_calibration(CalibrationConfig(source=str(DATA / "c4_demo.jsonl"),
+                                                           max_documents=CALIBRATION_DOCUMENTS,
+                                                           num_sequences=args.sleb_sequences, sequence_length=256),
+                                         loaded.tokenizer)
     results["calibration"] = calibration.description
     results["num_layers"] = loaded.model.config.num_hidden_layers
-    calibration_tokens = sum(batch.input_ids.numel() for batch in calibration)
     texts = evaluation_texts(loaded.tokenizer, args.windows)
     handle = as_handle(copy.deepcopy(loaded.model), loaded.tokenizer, None)
     started = time.perf_counter()
@@ -106,15 +112,17 @@ def main() -> None:
         method, settings = parse_method(spec)
         model = copy.deepcopy(loaded.model)
         counted = count_block_tokens(model)
+        method_calibration = sleb_calibration if method == "sleb" else calibration
         started = time.perf_counter()
         result = blockfold.compress(model, loaded.tokenizer, Recipe.parse({"method": method, "blocks": args.blocks,
-                                                                           **settings}), calibration=calibration)
+                                                                           **settings}), calibration=method_calibration)
         seconds = time.perf_counter() - started
-        forward_passes = counted[0] / (calibration_tokens * results["num_layers"])
+        method_tokens = sum(batch.input_ids.numel() for batch in method_calibration)
+        forward_passes = counted[0] / (method_tokens * results["num_layers"])  # passes of its own calibration set
         row = {"method": spec, "recipe": result.recipe.model_dump(mode="json"),
                "removed_blocks": result.manifest["removed_blocks"], "compress_seconds": seconds,
                "compress_passes": seconds / pass_seconds, "parameters": count_parameters(model),
-               "forward_passes": forward_passes}
+               "forward_passes": forward_passes, "calibration": method_calibration.description}
         if not args.no_perplexity:
             row["perplexity"] = measure(model, texts, spec)
         if tasks:
