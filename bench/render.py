@@ -595,6 +595,29 @@ def render_refit(parts: list[dict]) -> str:
     return render_new_methods(parts, keep=lambda row: row["method"].split(":")[0] == "replaceme")
 
 
+def render_accuracy(parts: list[dict]) -> str:
+    """Issue #16: every method's perplexity and, from the same run, its harness accuracy and relative
+    performance (accuracy over the original's, averaged over the tasks)."""
+    lines = [render_new_methods(parts)]
+    for results in parts:
+        tasks = results["tasks"]
+        original = results["original"]["accuracy"]
+        lines += ["", f"Harness accuracy (`acc`, 0-shot, the first {results['limit']} examples of each task, a bfloat16 "
+                      "copy of each model), same run. RP: relative performance, each task's accuracy over the "
+                      "original's, averaged over the tasks, ± its standard error.", "",
+                  "| method | removed blocks | " + " | ".join(tasks) + " | mean accuracy | RP |",
+                  "|---|---|" + "---|" * len(tasks) + "---|---|",
+                  "| original | - | " + " | ".join(f"{original[t]['metrics']['acc']:.3f}" for t in tasks)
+                  + f" | {sum(original[t]['metrics']['acc'] for t in tasks) / len(tasks):.3f} | 1 |"]
+        for row in results["rows"]:
+            accuracy, rp = row["accuracy"], row["relative_performance"]["average"]
+            lines.append(f"| {_method_label(row)} | {_span(row['removed_blocks'])} | "
+                         + " | ".join(f"{accuracy[t]['metrics']['acc']:.3f}" for t in tasks)
+                         + f" | {sum(accuracy[t]['metrics']['acc'] for t in tasks) / len(tasks):.3f}"
+                         + f" | {rp['rp']:.3f} ± {rp['stderr']:.3f} |")
+    return "\n".join(lines)
+
+
 def render_selection(parts: list[dict]) -> str:
     """Issue #16 item 3: each estimator's span under each fit criterion, scored by its own map or by lstsq."""
     lines = []
