@@ -296,7 +296,7 @@ def _add_export(sub) -> None:
     p.add_argument("--format", choices=["gguf"], default="gguf", help="output format (llama.cpp's GGUF)")
     p.add_argument("--quant", default="f16", metavar="TYPE",
                    help=f"tensor type: {', '.join(QUANT_TYPES)}; a K-quant file type ({', '.join(K_FILE_TYPES)}: "
-                        "llama-quantize's type per tensor); or '{SOURCE}': the source GGUF's type per tensor, "
+                        f"llama-quantize's type per tensor); or '{SOURCE}': the source GGUF's type per tensor, "
                         "copying every tensor compression left unchanged byte for byte (the round trip of a quantized "
                         "GGUF; the source's own file type, e.g. q4_k_m for a Q4_K_M source, means the same)")
     p.add_argument("--tokenizer-pre", default=None, metavar="NAME",
