@@ -148,10 +148,14 @@ def as_handle(model, tokenizer: PreTrainedTokenizerBase | None, execution: Execu
 
         return open_model(model, execution, check=get_adapter)
     if isinstance(model, PreTrainedModel):
+        from blockfold.models.multimodal import language_model_view
+
         model.eval()
         model.requires_grad_(False)
         parameter = next(model.parameters())
-        return ModelHandle(model, tokenizer, parameter.device, parameter.dtype, WeightStore(None))
+        view = language_model_view(model)
+        return ModelHandle(view, tokenizer, parameter.device, parameter.dtype, WeightStore(None),
+                           container=model if view is not model else None)
     raise BlockfoldError(f"cannot compress a {type(model).__name__}: give a model spec, a ModelHandle or a "
                          "transformers PreTrainedModel")
 
@@ -191,6 +195,11 @@ def compress(
     tokenizer = tokenizer or handle.tokenizer
     if tokenizer is None:
         raise BlockfoldError("compress needs the model's tokenizer for its calibration text: pass tokenizer=")
+    if handle.container is not None and not recipe.settings.writes_standard_checkpoint:
+        raise BlockfoldError(f"--method {recipe.method} replaces sublayers by modules that ship as modeling code, "
+                             f"which {type(handle.container).__name__} (a multimodal class) cannot load: use a method "
+                             "that writes a standard checkpoint (replaceme, uidl, drop-block, sleb, prune-comp, laco, "
+                             "streamline), or compress the language model saved on its own")
     original_layers = handle.num_layers()
     original_parameters = count_parameters(handle.model)
     source_fingerprint = handle.fingerprint()
@@ -211,7 +220,10 @@ def compress(
     manifest = {
         "format": "blockfold-manifest/2",
         "method": recipe.method,
-        "architecture": {"model_type": handle.model.config.model_type, "adapter": handle.adapter.name},
+        "architecture": {"model_type": handle.model.config.model_type, "adapter": handle.adapter.name,
+                         **({"multimodal": {"class": type(handle.container).__name__,
+                                            "model_type": handle.container.config.model_type}}
+                            if handle.container is not None else {})},
         "original_num_layers": original_layers,
         "num_layers": handle.num_layers(),
         "original_parameters": original_parameters,

@@ -88,6 +88,7 @@ def plan_for(spec: str, recipe: Recipe, execution: Execution, accelerator_memory
     """The plan of compressing ``spec`` as ``recipe`` says, on this machine's device, or on an
     accelerator with ``accelerator_memory`` bytes (a plan for a GPU this machine does not have)."""
     from blockfold.adapters import get_adapter
+    from blockfold.models.multimodal import language_model_view
     from blockfold.models.sources import skeleton
     from blockfold.pipelines import ACTIVATION_SHARE, CPU_ACTIVATION_BYTES, STATS_SHARE
     from blockfold.select import split_budget
@@ -103,13 +104,14 @@ def plan_for(spec: str, recipe: Recipe, execution: Execution, accelerator_memory
     source = getattr(config, "dtype", None)
     source = source if isinstance(source, torch.dtype) else DTYPES.get(str(source).removeprefix("torch."), torch.float32)
     dtype = DTYPES[execution.dtype] if execution.dtype != "auto" else (source if on_accelerator else torch.float32)
-    model = skeleton(config, dtype)
+    container = skeleton(config, dtype)  # a multimodal wrapper's vision tower counts in its memory, not its passes
+    model = language_model_view(container)
     layers = adapter.layers(model)
     num_layers, d = len(layers), adapter.hidden_size(model)
     element = dtype.itemsize
     sizes = [sum(p.numel() for p in layer.parameters()) for layer in layers]
     per_layer_params = max(sizes)  # the largest block (a mixture of experts may keep some blocks dense)
-    total_params = sum(p.numel() for p in model.parameters())
+    total_params = sum(p.numel() for p in container.parameters())
     outside = (total_params - sum(sizes)) * element
     weights = total_params * element
     memory = accelerator_memory if accelerator_memory is not None else free_memory(device) or 0
@@ -168,7 +170,7 @@ def plan_for(spec: str, recipe: Recipe, execution: Execution, accelerator_memory
             passes += 1  # the token subsample for the numerical fit
         passes += settings.spans - 1  # later spans are refitted on the compressed model
         if getattr(settings, "refit", "none") != "none":
-            intermediate = getattr(config, "intermediate_size", None) or 4 * d
+            intermediate = getattr(model.config, "intermediate_size", None) or 4 * d
             refit_sums = intermediate * (intermediate + d) * 8
             sums = max(sums, refit_sums)
             passes += 2  # the original streams to the span's end, then both streams through the later blocks, twice
@@ -254,9 +256,10 @@ def plan_for(spec: str, recipe: Recipe, execution: Execution, accelerator_memory
     plan.add("peak memory", f"about {gib(peak)} on the device" + (f" of {gib(memory)}" if memory else ""))
 
     # -- time -----------------------------------------------------------------------------
-    head_dim = getattr(config, "head_dim", None) or d // config.num_attention_heads
-    attention_flops = 4 * calibration.sequence_length * config.num_attention_heads * head_dim / 2  # causal: half
-    forward = passes * tokens * (2 * _active_parameters(adapter, layers, config) + num_layers * attention_flops)
+    text_config = model.config  # a multimodal model's language model's
+    head_dim = getattr(text_config, "head_dim", None) or d // text_config.num_attention_heads
+    attention_flops = 4 * calibration.sequence_length * text_config.num_attention_heads * head_dim / 2  # causal: half
+    forward = passes * tokens * (2 * _active_parameters(adapter, layers, text_config) + num_layers * attention_flops)
     stats = tokens * stats_flops_per_token
     transfer = passes * chunks * weights if pipeline == "sequential" else 0
     plan.add("work", f"{forward / 1e15:.1f} PFLOP forward ({DTYPE_NAMES[dtype]}), {stats / 1e15:.2f} PFLOP of float64 "

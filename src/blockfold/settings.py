@@ -38,6 +38,8 @@ class MethodSettings(Strict):
     """What one method needs besides the model and the calibration data."""
 
     method: ClassVar[str]
+    #: False where the output replaces sublayers by linear modules and ships their modeling code
+    writes_standard_checkpoint: ClassVar[bool] = True
     #: flag names of the CLI for the fields, where they differ from ``--field-name``
     flags: ClassVar[dict[str, str]] = {"attention_layers": "--attn", "cosine": "--cosine-*"}
 
@@ -197,6 +199,7 @@ class NBL(AttentionBudget):
     """Replace the most linear attention sublayers by their LMMSE maps (no KV cache for them)."""
 
     method: ClassVar[str] = "nbl"
+    writes_standard_checkpoint: ClassVar[bool] = False
     # auto (recipe version 6) ranks by nmse where attention's output passes a norm before the residual
     # add (Gemma's sandwich blocks) and by cosine (DROP's ranking) elsewhere: on held-out text cosine
     # was best on SmolLM2-135M at 4, 8 and 12 layers and nmse on Gemma-3-270m at 4 and 6, where cosine
@@ -216,6 +219,7 @@ class NBLBlock(BlockBudget):
     """Replace the most linear whole blocks by their LMMSE maps."""
 
     method: ClassVar[str] = "nbl-block"
+    writes_standard_checkpoint: ClassVar[bool] = False
     # cosine measured best on SmolLM2-135M at 8 blocks; not yet measured on a sandwich-norm model
     linearity_criterion: LinearityCriterion = "cosine"
     greedy: bool = False
@@ -229,6 +233,7 @@ class DropAttention(AttentionBudget):
     """DROP: the attention sublayers whose residual input and output are most alike, dropped."""
 
     method: ClassVar[str] = "drop-attn"
+    writes_standard_checkpoint: ClassVar[bool] = False
     greedy: bool = False
 
 
@@ -270,6 +275,7 @@ class LinearPatch(BlockBudget):
     stream in its place (a linear block: not a standard checkpoint, the modeling code ships with it)."""
 
     method: ClassVar[str] = "linear-patch"
+    writes_standard_checkpoint: ClassVar[bool] = False
     # the paper's selection: the span of highest mean cosine between its input and output
     criterion: Literal["block_influence", "angular_all", "angular_last"] = "block_influence"
     span_start: int | None = Field(None, ge=1)

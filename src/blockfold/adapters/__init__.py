@@ -82,16 +82,29 @@ def supported_model_types() -> list[str]:
     return sorted(t for t in ADAPTERS if not t.startswith("blockfold_"))
 
 
+def language_config(config):
+    """The config of the decoder blockfold compresses: a multimodal wrapper's ``text_config`` (its
+    language model; ``models/multimodal.py``), else ``config`` itself."""
+    text_config = getattr(config, "text_config", None)
+    if text_config is None or getattr(config, "model_type", None) in ADAPTERS:
+        return config
+    return text_config
+
+
 def get_adapter(model_or_config) -> DecoderAdapter:
-    """The adapter for a model (or its config), or a clear error naming the supported architectures."""
-    config = getattr(model_or_config, "config", model_or_config)
+    """The adapter for a model (or its config; a multimodal config's language model), or a clear error
+    naming the supported architectures."""
+    outer = getattr(model_or_config, "config", model_or_config)
+    config = language_config(outer)
     model_type = getattr(config, "model_type", None)
     if model_type not in ADAPTERS:
+        inside = f" (the language model of the multimodal {outer.model_type!r})" if config is not outer else ""
         raise BlockfoldError(
-            f"unsupported architecture {model_type!r}: blockfold supports "
-            f"{', '.join(supported_model_types())}; add an adapter in blockfold/adapters/ for others"
+            f"unsupported architecture {model_type!r}{inside}: blockfold supports "
+            f"{', '.join(supported_model_types())}, and multimodal checkpoints whose language model is one of them; "
+            "add an adapter in blockfold/adapters/ for others (docs/adapters.md)"
         )
     return ADAPTERS[model_type]
 
 
-__all__ = ["ADAPTERS", "DecoderAdapter", "MixtureOfExpertsAdapter", "Projection", "get_adapter", "supported_model_types"]
+__all__ = ["ADAPTERS", "DecoderAdapter", "MixtureOfExpertsAdapter", "Projection", "get_adapter", "language_config", "supported_model_types"]

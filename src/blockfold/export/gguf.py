@@ -155,6 +155,10 @@ def _plan(model: Path, quant: str, tokenizer_pre: str | None = None) -> _Plan:
             f"{model} replaces sublayers by linear maps (NBL), which no llama.cpp architecture expresses (a layer "
             "whose attention is `W x + b` with no KV cache): serve it with transformers, or export a depth-pruned "
             "output (replaceme, uidl, drop-block, sleb, prune-comp)")
+    if getattr(config, "text_config", None) is not None and model_type not in ARCHITECTURES:
+        raise BlockfoldError(f"{model} is a multimodal checkpoint ({model_type!r}): llama.cpp takes its language model "
+                             "and its vision projector as two files (a GGUF and an mmproj), which blockfold does not "
+                             "write; serve it with transformers or vLLM")
     if model_type not in ARCHITECTURES:
         raise BlockfoldError(f"GGUF export supports model types {', '.join(ARCHITECTURES)}; {model} is "
                              f"{model_type!r}")

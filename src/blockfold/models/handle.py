@@ -145,9 +145,16 @@ class ModelHandle:
     store: WeightStore
     spec: str = ""
     path: Path | None = None  # the local folder the weights came from
+    #: the multimodal model ``model`` is the language model of (``models/multimodal.py``): what is saved
+    container: PreTrainedModel | None = None
 
     def __post_init__(self) -> None:
         self.adapter: DecoderAdapter = get_adapter(self.model)
+
+    @property
+    def saved_model(self) -> PreTrainedModel:
+        """The model a checkpoint is written from: the multimodal wrapper around the decoder, if any."""
+        return self.container if self.container is not None else self.model
 
     # -- what it is -------------------------------------------------------------------------
     @property
@@ -281,20 +288,24 @@ class ModelHandle:
     def fresh_copy(self) -> "ModelHandle":
         """An unedited twin for another compression of the same weights (a sweep): a deep copy of a
         resident model, a new skeleton over the same checkpoint for a streamed one."""
+        from blockfold.models.multimodal import language_model_view
+
         if self.resident:
-            model = copy.deepcopy(self.model)
-            store = WeightStore.of(model, self.store.reader) if self.store.reader is not None else WeightStore(None)
-            for original, twin in zip(self.model.modules(), model.modules()):
+            saved = copy.deepcopy(self.saved_model)
+            store = WeightStore.of(saved, self.store.reader) if self.store.reader is not None else WeightStore(None)
+            for original, twin in zip(self.saved_model.modules(), saved.modules()):
                 if original in self.store.owned:
                     store.owned[twin] = dict(self.store.owned[original])
                 if original in self.store.edits:
                     store.edits[twin] = {k: list(v) for k, v in self.store.edits[original].items()}
-            return ModelHandle(model, self.tokenizer, self.device, self.dtype, store, self.spec, self.path)
-        from blockfold.models.sources import skeleton
+        else:
+            from blockfold.models.sources import skeleton
 
-        model = skeleton(self.model.config, self.dtype)
-        return ModelHandle(model, self.tokenizer, self.device, self.dtype, WeightStore.of(model, self.store.reader),
-                           self.spec, self.path)
+            saved = skeleton(self.saved_model.config, self.dtype)
+            store = WeightStore.of(saved, self.store.reader)
+        model = language_model_view(saved)
+        return ModelHandle(model, self.tokenizer, self.device, self.dtype, store, self.spec, self.path,
+                           saved if model is not saved else None)
 
     def weight_bytes(self) -> dict[str, int]:
         """Bytes of the weights in the runtime dtype: per block (the largest), and outside the blocks."""

@@ -17,11 +17,12 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from blockfold.errors import BlockfoldError
 from blockfold.models.checkpoint import CheckpointReader, has_safetensors
 from blockfold.models.handle import ModelHandle, WeightStore
+from blockfold.models.multimodal import auto_class, language_model_view
 from blockfold.models.quantized import check_quantized_source
 from blockfold.surgery.linearize import register_linearized_classes
 
@@ -129,7 +130,7 @@ def skeleton(config, dtype: torch.dtype) -> PreTrainedModel:
     from accelerate import init_empty_weights
 
     with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = auto_class(config).from_config(config, dtype=dtype)
     model.tie_weights()  # from_config leaves tied placeholders apart; the checkpoint stores them once
     model.eval()
     model.requires_grad_(False)
@@ -168,9 +169,9 @@ def load_model(
             raise BlockfoldError(f"{spec} has no safetensors weights to read layer by layer: use --pipeline whole "
                                  "or re-save the model with save_pretrained")
         model = skeleton(config, dtype)
-        return ModelHandle(model, tokenizer, device, dtype, WeightStore.of(model, reader), spec, folder)
+        return _handle(model, tokenizer, device, dtype, WeightStore.of(model, reader), spec, folder)
     try:
-        model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype, device_map={"": device})
+        model = auto_class(config).from_pretrained(location, dtype=dtype, device_map={"": device})
     except OSError as err:
         raise BlockfoldError(
             f"could not load model {spec!r} ({str(err).splitlines()[0]}): use a local folder, a .gguf file "
@@ -183,7 +184,13 @@ def load_model(
                              "names them): the checkpoint is incomplete or of another model; download it again") from None
     model.eval()
     model.requires_grad_(False)
-    return ModelHandle(model, tokenizer, device, dtype, WeightStore.of(model, reader), spec, folder)
+    return _handle(model, tokenizer, device, dtype, WeightStore.of(model, reader), spec, folder)
+
+
+def _handle(model: PreTrainedModel, *fields) -> ModelHandle:
+    """The handle of a loaded model; a multimodal one is compressed through its language model."""
+    view = language_model_view(model)
+    return ModelHandle(view, *fields, container=model if view is not model else None)
 
 
 def model_fingerprint(model: PreTrainedModel) -> str:

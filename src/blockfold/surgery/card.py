@@ -125,6 +125,7 @@ def model_card(manifest: dict, folder: Path, name: str, license_name: str | None
     architecture = (config.get("architectures") or ["?"])[0]
     source = (manifest.get("source_model") or {}).get("spec") or "a model built in memory"
     method = manifest.get("method", "?")
+    multimodal = (manifest.get("architecture") or {}).get("multimodal")
     front = {"license": license_name or "other", "library_name": "transformers",
              "tags": ["blockfold", method, "depth-pruning" if not manifest.get("replaced") else "linearized-layers"]}
     load_args = f'"{name}"' + (", trust_remote_code=True" if remote_code else "")
@@ -135,10 +136,12 @@ def model_card(manifest: dict, folder: Path, name: str, license_name: str | None
              "## What was done", "", _what_was_done(manifest), "",
              "## Measured", "", *(_measured(manifest) or ["- Nothing measured at compression time."]),
              "", "Measure it against its source with `blockfold eval " + name + " --ppl FILE --tasks ...`.", "",
-             "## Load", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer",
-             f"model = AutoModelForCausalLM.from_pretrained({load_args})",
-             f'tokenizer = AutoTokenizer.from_pretrained("{name}")', "```", ""]
-    if remote_code:
+             "## Load", "", "```python", *_load_lines(name, load_args, multimodal), "```", ""]
+    if multimodal:
+        lines += [f"A standard `{architecture}` checkpoint: its language model has fewer layers and no new parameters, "
+                  "its vision encoder and projector are the source's, byte for byte. Plain transformers and vLLM load it "
+                  "as they load the source:", "", "```bash", f"vllm serve {name}", "```", ""]
+    elif remote_code:
         lines += [f"The replaced layers need the modeling code shipped in this folder (`modeling_blockfold.py`, "
                   f"classes registered as `{architecture}`): load with `trust_remote_code=True`; blockfold itself is "
                   "not needed.", "",
@@ -174,6 +177,16 @@ def model_card(manifest: dict, folder: Path, name: str, license_name: str | None
               f"{(manifest.get('environment') or {}).get('blockfold', '?')}, torch "
               f"{(manifest.get('environment') or {}).get('torch', '?')}.", ""]
     return "\n".join(lines)
+
+
+def _load_lines(name: str, load_args: str, multimodal: dict | None) -> list[str]:
+    if multimodal:
+        return ["from transformers import AutoModelForImageTextToText, AutoProcessor",
+                f"model = AutoModelForImageTextToText.from_pretrained({load_args})",
+                f'processor = AutoProcessor.from_pretrained("{name}")']
+    return ["from transformers import AutoModelForCausalLM, AutoTokenizer",
+            f"model = AutoModelForCausalLM.from_pretrained({load_args})",
+            f'tokenizer = AutoTokenizer.from_pretrained("{name}")']
 
 
 __all__ = ["CARD_NAME", "model_card", "source_license"]

@@ -22,6 +22,7 @@ from transformers.utils import GENERATION_CONFIG_NAME
 from blockfold.errors import BlockfoldError
 from blockfold.models.checkpoint import DEFAULT_SHARD_BYTES, ShardWriter
 from blockfold.models.handle import ModelHandle
+from blockfold.models.multimodal import PROCESSOR_FILES
 from blockfold.models.naming import stored_tensors
 from blockfold.models.quantized import companion_names, is_quantized_linear, quantization_method, skip_modules_config
 from blockfold.surgery.card import CARD_NAME, model_card, source_license
@@ -105,7 +106,7 @@ def write_checkpoint(handle: ModelHandle, folder: Path, save_dtype: torch.dtype 
     each parameter is read from the source checkpoint (or the owned copy), its recorded edits are
     applied in float64, and it is cast to ``save_dtype`` (default: the source's own dtype). The
     whole model is never in memory; plain transformers loads the result."""
-    model = handle.model
+    model = handle.saved_model
     save_dtype = save_dtype or handle.source_dtype()
     entries = _saved_entries(model)
 
@@ -187,6 +188,10 @@ def save_compressed(
         write_checkpoint(handle, staging, save_dtype)
         if handle.tokenizer is not None:
             handle.tokenizer.save_pretrained(staging)
+        if handle.container is not None and handle.path is not None:  # what turns images into the model's input
+            for name in PROCESSOR_FILES:
+                if (handle.path / name).is_file() and not (staging / name).exists():
+                    shutil.copyfile(handle.path / name, staging / name)
         manifest["saved_dtype"] = str(save_dtype or handle.source_dtype()).removeprefix("torch.")
         (staging / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2, default=str))
         (staging / RECIPE_NAME).write_text(recipe_yaml)
