@@ -596,26 +596,37 @@ def render_refit(parts: list[dict]) -> str:
 
 
 def render_accuracy(parts: list[dict]) -> str:
-    """Issue #16: every method's perplexity and, from the same run, its harness accuracy and relative
-    performance (accuracy over the original's, averaged over the tasks)."""
-    lines = [render_new_methods(parts)]
+    """Issue #16: every method's harness accuracy and relative performance (accuracy over the
+    original's, averaged over the tasks), one table per model and budget, with its compress cost."""
+    lines = []
     for results in parts:
         tasks = results["tasks"]
         original = results["original"]["accuracy"]
-        lines += ["", f"Harness accuracy (`acc`, 0-shot, the first {results['limit']} examples of each task, a bfloat16 "
-                      "copy of each model), same run. RP: relative performance, each task's accuracy over the "
-                      "original's, averaged over the tasks, ± its standard error.", "",
-                  "| method | removed blocks | " + " | ".join(tasks) + " | mean accuracy | RP |",
-                  "|---|---|" + "---|" * len(tasks) + "---|---|",
-                  "| original | - | " + " | ".join(f"{original[t]['metrics']['acc']:.3f}" for t in tasks)
-                  + f" | {sum(original[t]['metrics']['acc'] for t in tasks) / len(tasks):.3f} | 1 |"]
+
+        def accuracies(accuracy: dict) -> list[float]:
+            return [accuracy[task]["metrics"]["acc"] for task in tasks]
+
+        calibration = results["calibration"]
+        lines += [f"### {results['model']}, {results['blocks']} blocks removed", "",
+                  f"Harness accuracy (`acc`, 0-shot, the first {results['limit']} examples of each task, a bfloat16 "
+                  "copy of each model). RP: relative performance, each task's accuracy over the original's, averaged "
+                  "over the tasks, ± its standard error. Calibration "
+                  f"{calibration.get('source')} ({calibration.get('sequences')} x {calibration.get('sequence_length')} "
+                  "tokens; SLEB: its own smaller set, see the row's JSON); block forwards in passes of each method's "
+                  "calibration set.", "",
+                  "| method | removed blocks | " + " | ".join(tasks) + " | mean accuracy | RP | block forwards | parameters |",
+                  "|---|---|" + "---|" * len(tasks) + "---|---|---|---|",
+                  "| original | - | " + " | ".join(f"{value:.3f}" for value in accuracies(original))
+                  + f" | {sum(accuracies(original)) / len(tasks):.3f} | 1 | - | "
+                  f"{results['original']['parameters'] / 1e6:.1f} M |"]
         for row in results["rows"]:
-            accuracy, rp = row["accuracy"], row["relative_performance"]["average"]
+            values, rp = accuracies(row["accuracy"]), row["relative_performance"]["average"]
             lines.append(f"| {_method_label(row)} | {_span(row['removed_blocks'])} | "
-                         + " | ".join(f"{accuracy[t]['metrics']['acc']:.3f}" for t in tasks)
-                         + f" | {sum(accuracy[t]['metrics']['acc'] for t in tasks) / len(tasks):.3f}"
-                         + f" | {rp['rp']:.3f} ± {rp['stderr']:.3f} |")
-    return "\n".join(lines)
+                         + " | ".join(f"{value:.3f}" for value in values)
+                         + f" | {sum(values) / len(tasks):.3f} | {rp['rp']:.3f} ± {rp['stderr']:.3f}"
+                         + f" | {row['forward_passes']:.2f} | {row['parameters'] / 1e6:.1f} M |")
+        lines += ["", *_footer([results]), ""]
+    return "\n".join(lines).rstrip()
 
 
 def render_selection(parts: list[dict]) -> str:
@@ -648,7 +659,8 @@ SECTIONS: dict[str, tuple[str | tuple[str, ...], Callable]] = {
     "new-methods": (("new_methods.json", "new_methods_part2.json", "new_methods_part3.json"), render_new_methods),
     "selection": (("selection_smollm2_c4.json",), render_selection),
     "refit": (("new_methods_part2.json", "refit_study_part1.json", "refit_study_part2.json", "refit_study_part3.json",
-               "refit_validation_4.json", "refit_validation_12.json"), render_refit),
+               "refit_validation_4.json", "refit_validation_12.json", "refit_validation_12_plain.json"),
+              render_refit),
     "packing": ("calibration_packing.json", render_packing),
     "healing": (("healing.json", "healing_v3_through_norm.json"), render_healing),
     "gemma": (("gemma_sandwich.json", "gemma_placement.json"), render_gemma),
