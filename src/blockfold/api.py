@@ -193,13 +193,20 @@ def compress(
     execution = execution or Execution()
     handle = as_handle(model, tokenizer, execution)
     tokenizer = tokenizer or handle.tokenizer
-    if tokenizer is None:
+    if handle.adapter.is_vision and not recipe.settings.runs_on_images:
+        raise BlockfoldError(f"--method {recipe.method} is for language models (it needs their LM head, text or "
+                             f"modeling code); {handle.adapter.name} takes replaceme, uidl or drop-block")
+    if tokenizer is None and not handle.adapter.is_vision:
         raise BlockfoldError("compress needs the model's tokenizer for its calibration text: pass tokenizer=")
+    if tokenizer is None and calibration is None:
+        raise BlockfoldError("compress needs the model's image processor for its calibration images: pass "
+                             "tokenizer=processor, or calibration= image batches")
     if handle.container is not None and not recipe.settings.writes_standard_checkpoint:
         raise BlockfoldError(f"--method {recipe.method} replaces sublayers by modules that ship as modeling code, "
                              f"which {type(handle.container).__name__} (a multimodal class) cannot load: use a method "
                              "that writes a standard checkpoint (replaceme, uidl, drop-block, sleb, prune-comp, laco, "
                              "streamline), or compress the language model saved on its own")
+    handle.adapter.prepare(handle)
     original_layers = handle.num_layers()
     original_parameters = count_parameters(handle.model)
     source_fingerprint = handle.fingerprint()
@@ -223,7 +230,8 @@ def compress(
         "architecture": {"model_type": handle.model.config.model_type, "adapter": handle.adapter.name,
                          **({"multimodal": {"class": type(handle.container).__name__,
                                             "model_type": handle.container.config.model_type}}
-                            if handle.container is not None else {})},
+                            if handle.container is not None else {}),
+                         **({"vision": True} if handle.adapter.is_vision else {})},
         "original_num_layers": original_layers,
         "num_layers": handle.num_layers(),
         "original_parameters": original_parameters,
@@ -261,11 +269,13 @@ def evaluate(
     batch_size: int = 8,
     task_data: str = "bundled",
     cache: bool = True,
+    images: str | Path | None = None,
 ) -> dict:
     """Perplexity on ``perplexity_text`` and harness accuracy on ``tasks`` of ``model`` (a spec, a
     folder, or a ``CompressionResult``) and of its ``baseline`` (``auto``: the source its manifest
     names; None or ``none``: no comparison), with the ratio and relative performance. The result is
-    what ``blockfold eval --json`` writes."""
+    what ``blockfold eval --json`` writes. For an image encoder, ``images`` (a folder) gives the
+    embeddings' agreement with the baseline's and each model's k-NN accuracy (``eval/vision.py``)."""
     from blockfold.eval import perplexity, read_eval_text, tokenize_windows
     from blockfold.models import load_model
     from blockfold.models.sources import cache_dir
@@ -274,8 +284,8 @@ def evaluate(
     execution = execution or Execution()
     tasks = list(tasks)
     text = read_eval_text(perplexity_text) if perplexity_text is not None else None
-    if text is None and not tasks:
-        raise BlockfoldError("nothing to evaluate: give a perplexity text or tasks")
+    if text is None and not tasks and images is None:
+        raise BlockfoldError("nothing to evaluate: give a perplexity text, tasks or (for an image encoder) images")
     if tasks:
         from blockfold.eval.tasks import cached_evaluate, relative_performance, task_configs
 
@@ -292,11 +302,23 @@ def evaluate(
     if baseline not in (None, "none"):
         candidates.insert(0, ("original", baseline))
     results: dict = {}
+    embeddings: dict = {}
     for role, spec in candidates:
         loaded = spec if isinstance(spec, ModelHandle) else load_model(
             spec, dtype=execution.dtype, device=execution.device, pipeline=execution.pipeline)
         name = spec if isinstance(spec, str) else (loaded.spec or "in memory")
         results[role] = {"spec": name, "device": str(loaded.device), "dtype": DTYPE_NAMES.get(loaded.dtype, str(loaded.dtype))}
+        if (text is not None or tasks) and loaded.adapter.is_vision:
+            raise BlockfoldError(f"{name} is an image encoder: evaluate it with --images FOLDER, not text or tasks")
+        if images is not None:
+            from blockfold.eval.vision import image_embeddings, knn_accuracy
+
+            if not loaded.adapter.is_vision:
+                raise BlockfoldError(f"{name} is a language model: --images is for image encoders; give --ppl or --tasks")
+            embeddings[role], labels = image_embeddings(loaded, images, batch_size)
+            results[role]["images"] = {"count": len(embeddings[role])}
+            if labels is not None:
+                results[role]["images"]["knn_accuracy"] = knn_accuracy(embeddings[role], labels)
         if text is not None:
             windows = tokenize_windows(text, loaded.tokenizer, sequence_length, max_windows)
             results[role].update(perplexity(loaded, windows, description=f"perplexity ({role})"))
@@ -309,6 +331,10 @@ def evaluate(
         results["ratio"] = results["model"]["perplexity"] / results["original"]["perplexity"]
     if "original" in results and tasks:
         results["relative_performance"] = relative_performance(results["model"]["tasks"], results["original"]["tasks"])
+    if "original" in embeddings:
+        from blockfold.eval.vision import embedding_agreement
+
+        results["embedding_agreement"] = embedding_agreement(embeddings["model"], embeddings["original"])
     return results
 
 

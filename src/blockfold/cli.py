@@ -205,6 +205,8 @@ def _add_eval(sub) -> None:
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--max-windows", type=int, default=None, help="first N windows only (default: whole text)")
     p.add_argument("--baseline", default="auto", help="model to compare against; 'auto' = the manifest's source, 'none' = skip")
+    p.add_argument("--images", help="image encoders: a folder of images; the embeddings' cosine agreement with the "
+                                    "baseline's, and k-NN accuracy where the images sit in class subfolders")
     p.add_argument("--json", help="write the results as JSON here")
 
 
@@ -389,6 +391,9 @@ def cmd_compress(args) -> int:
     started = time.perf_counter()
     handle = open_model(args.model, execution, check=get_adapter)
     load_seconds = time.perf_counter() - started
+    if ppl_text is not None and handle.adapter.is_vision:
+        raise BlockfoldError(f"{args.model} is an image encoder, and --ppl measures language models: drop it and "
+                             "measure the output with `blockfold eval --model OUT --images FOLDER`")
     before = None
     if ppl_text is not None:
         windows = tokenize_windows(ppl_text, handle.tokenizer, args.ppl_seq_len, args.ppl_windows)
@@ -481,14 +486,26 @@ def _candidates(selection: dict, count: int = 5) -> str:
 
 def cmd_eval(args) -> int:
     from blockfold.api import evaluate
+    from blockfold.eval.vision import KNN_NEIGHBOURS
+
+    knn_label = f"{KNN_NEIGHBOURS}-NN accuracy"
 
     tasks = [t for t in (args.tasks or "").split(",") if t]
-    ppl_path = args.ppl if args.ppl is not None else (None if tasks else str(DEFAULT_PPL_TEXT))
+    ppl_path = args.ppl if args.ppl is not None else (None if tasks or args.images else str(DEFAULT_PPL_TEXT))
     results = evaluate(args.model, perplexity_text=ppl_path, tasks=tasks, baseline=args.baseline,
                        execution=_execution_from_args(args),
                        sequence_length=args.seq_len, max_windows=args.max_windows, limit=args.limit,
-                       fewshot=args.fewshot, batch_size=args.batch_size, task_data=args.task_data, cache=not args.no_cache)
+                       fewshot=args.fewshot, batch_size=args.batch_size, task_data=args.task_data, cache=not args.no_cache,
+                       images=args.images)
     rows = []
+    for role in ("original", "model"):
+        seen = results.get(role, {}).get("images")
+        if seen and "knn_accuracy" in seen:
+            rows.append((f"{role}: {results[role]['spec']}", f"{knn_label} {seen['knn_accuracy']:.4f} ({seen['count']} images)"))
+    if "embedding_agreement" in results:
+        agreement = results["embedding_agreement"]
+        rows.append(("embedding cosine (model vs original)", f"mean {agreement['cosine_mean']:.4f}, worst image "
+                                                             f"{agreement['cosine_min']:.4f} ({agreement['images']} images)"))
     for role in ("original", "model"):
         r = results.get(role, {})
         if "perplexity" in r:
@@ -504,7 +521,7 @@ def cmd_eval(args) -> int:
         for task, value in rp["tasks"].items():
             rows.append((f"RP {task}", f"{value['rp']:.3f} ± {value['stderr']:.3f}"))
         rows.append(("RP average", f"{rp['average']['rp']:.3f} ± {rp['average']['stderr']:.3f}"))
-    _print_table(rows, f"blockfold eval: {', '.join(filter(None, [ppl_path, ','.join(tasks)]))}")
+    _print_table(rows, f"blockfold eval: {', '.join(filter(None, [ppl_path, ','.join(tasks), args.images]))}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0

@@ -90,7 +90,7 @@ def shard(batches: list, ranks: Ranks) -> tuple[list, int]:
     the real tokens before it (for token samplers)."""
     if not ranks.several:
         return batches, 0
-    total = sum(len(batch.input_ids) for batch in batches)
+    total = sum(len(batch) for batch in batches)
     if total < ranks.world_size:
         raise BlockfoldError(f"{total} calibration sequence(s) cannot be shared by {ranks.world_size} processes: give "
                              "at least one sequence per process (--num-seqs) or fewer processes")
@@ -98,7 +98,7 @@ def shard(batches: list, ranks: Ranks) -> tuple[list, int]:
     first, last = int(bounds[ranks.rank]), int(bounds[ranks.rank + 1])
     mine, before, seen = [], 0, 0
     for batch in batches:
-        rows = len(batch.input_ids)
+        rows = len(batch)
         low, high = max(first, seen) - seen, min(last, seen + rows) - seen
         if low < high:
             mine.append(batch if (low, high) == (0, rows) else batch.rows(low, high))

@@ -119,6 +119,9 @@ def plan_for(spec: str, recipe: Recipe, execution: Execution, accelerator_memory
     if pipeline == "auto":
         pipeline = "whole" if memory and weights <= 0.5 * memory else "sequential"
     calibration = recipe.calibration
+    if adapter.is_vision:  # images at the encoder's own size: one token per patch (and class token)
+        calibration = calibration.model_copy(update={"sequence_length": adapter.tokens_per_image(
+            model.config, model.config.image_size, model.config.image_size)})
     tokens = calibration.num_sequences * calibration.sequence_length
     settings = recipe.settings
 
@@ -129,7 +132,8 @@ def plan_for(spec: str, recipe: Recipe, execution: Execution, accelerator_memory
     plan.add("weights", f"{gib(weights)}: {gib(per_layer_params * element)} per block, {gib(outside)} outside the blocks")
     plan.add("pipeline", pipeline + (" (the whole model resident)" if pipeline == "whole"
                                      else " (one block at a time; resident: one block plus embeddings or head)"))
-    plan.add("calibration", f"{calibration.num_sequences} x {calibration.sequence_length} = {tokens:,} tokens")
+    plan.add("calibration", f"{calibration.num_sequences} {'images' if adapter.is_vision else 'sequences'} x "
+                            f"{calibration.sequence_length} = {tokens:,} tokens")
     plan.add("activation buffer", f"{gib(tokens * d * element)} for all tokens at one boundary ({DTYPE_NAMES[dtype]})")
 
     # -- the method's statistics ----------------------------------------------------------

@@ -40,6 +40,8 @@ class MethodSettings(Strict):
     method: ClassVar[str]
     #: False where the output replaces sublayers by linear modules and ships their modeling code
     writes_standard_checkpoint: ClassVar[bool] = True
+    #: True where the method needs only hidden states, so it runs on image encoders too
+    runs_on_images: ClassVar[bool] = False
     #: flag names of the CLI for the fields, where they differ from ``--field-name``
     flags: ClassVar[dict[str, str]] = {"attention_layers": "--attn", "cosine": "--cosine-*"}
 
@@ -117,6 +119,7 @@ class ReplaceMe(SpanSelection):
     """Remove the span a linear map replaces best and fold the map into the block before it."""
 
     method: ClassVar[str] = "replaceme"
+    runs_on_images: ClassVar[bool] = True
 
     # span selection (select/spans.py): the fitted map's relative error, the criterion whose span was
     # best or tied at every budget checked on held-out text (SmolLM2-135M 4, 8, 12 blocks; Gemma-3-270m 4);
@@ -190,6 +193,7 @@ class UIDL(SpanSelection):
     """The span of least angular distance (or ``criterion``), removed with no map (UIDL / ShortGPT)."""
 
     method: ClassVar[str] = "uidl"
+    runs_on_images: ClassVar[bool] = True
     criterion: SpanCriterion = "angular_last"
     # with a fit criterion, what scores each span: lstsq (version 7) or the identity's own error (as ReplaceMe's)
     span_scoring: Literal["lstsq", "estimator"] = "lstsq"
@@ -241,6 +245,7 @@ class DropBlock(BlockBudget):
     """DROP: the blocks whose output is most like their input, wherever they are, dropped."""
 
     method: ClassVar[str] = "drop-block"
+    runs_on_images: ClassVar[bool] = True
 
 
 class SLEB(BlockBudget):

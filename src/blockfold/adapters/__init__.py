@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from blockfold.adapters.base import DecoderAdapter, MixtureOfExpertsAdapter, Projection
+import dataclasses
+
+from blockfold.adapters.base import (DecoderAdapter, LayerScaleEncoderAdapter, MixtureOfExpertsAdapter, Projection,
+                                     VisionEncoderAdapter)
 from blockfold.errors import BlockfoldError
 
 LLAMA_LIKE = DecoderAdapter(name="llama-like (pre-norm)", model_types=("llama", "mistral"))
@@ -70,10 +73,46 @@ QWEN_MOE = MixtureOfExpertsAdapter(
     layer_index_config_fields=("mlp_only_layers",),
 )
 
+# Vision encoders (ViT-family): patch tokens instead of text, LayerNorms, fc1/fc2 MLPs, no LM head.
+VIT = VisionEncoderAdapter(
+    name="vit (pre-norm image encoder)",
+    model_types=("vit",),
+    decoder_attr="",
+    final_norm_attr="layernorm",
+    attention_attr="attention",
+    input_norm_attr="layernorm_before",
+    pre_mlp_norm_attr="layernorm_after",
+)
+
+CLIP_VISION = VisionEncoderAdapter(
+    name="clip / siglip vision tower (pre-norm image encoder)",
+    model_types=("clip_vision_model",),
+    decoder_attr="encoder",
+    final_norm_attr="post_layernorm",
+    attention_output_attr="out_proj",
+    input_norm_attr="layer_norm1",
+    pre_mlp_norm_attr="layer_norm2",
+)
+
+SIGLIP_VISION = dataclasses.replace(CLIP_VISION, model_types=("siglip_vision_model",), class_tokens=0)
+
+DINOV2 = LayerScaleEncoderAdapter(
+    name="dinov2 (pre-norm image encoder, layer scales)",
+    model_types=("dinov2", "dinov2_with_registers"),
+    decoder_attr="encoder",
+    layers_attr="layer",
+    final_norm_attr="layernorm",
+    attention_attr="attention",
+    input_norm_attr="norm1",
+    pre_mlp_norm_attr="norm2",
+)
+
 #: model_type → adapter; a checkpoint with linearized sublayers ("blockfold_<base>") shares its base's adapter
 ADAPTERS: dict[str, DecoderAdapter] = {
     prefix + model_type: adapter
-    for adapter in (LLAMA_LIKE, QWEN, GEMMA_SANDWICH, PHI3, COHERE, PHI, GPT_NEOX, MIXTRAL_LIKE, QWEN_MOE) for model_type in adapter.model_types
+    for adapter in (LLAMA_LIKE, QWEN, GEMMA_SANDWICH, PHI3, COHERE, PHI, GPT_NEOX, MIXTRAL_LIKE, QWEN_MOE, VIT, CLIP_VISION,
+                    SIGLIP_VISION, DINOV2)
+    for model_type in adapter.model_types
     for prefix in ("", "blockfold_")
 }
 
@@ -107,4 +146,4 @@ def get_adapter(model_or_config) -> DecoderAdapter:
     return ADAPTERS[model_type]
 
 
-__all__ = ["ADAPTERS", "DecoderAdapter", "MixtureOfExpertsAdapter", "Projection", "get_adapter", "language_config", "supported_model_types"]
+__all__ = ["ADAPTERS", "DecoderAdapter", "MixtureOfExpertsAdapter", "Projection", "VisionEncoderAdapter", "get_adapter", "language_config", "supported_model_types"]

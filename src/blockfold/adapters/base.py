@@ -64,9 +64,29 @@ class DecoderAdapter:
     # Config lists of layer indices (e.g. Qwen-MoE's ``mlp_only_layers``), never mistaken for per-layer lists.
     layer_index_config_fields: tuple[str, ...] = ()
 
+    #: True for encoders of images (``VisionEncoderAdapter``): calibration is images, there is no LM head
+    is_vision: bool = False
+
     # -- locating modules -------------------------------------------------------------------
     def decoder(self, model: nn.Module) -> nn.Module:
-        return getattr(model, self.decoder_attr)
+        """The module holding the blocks (``decoder_attr`` may be a dotted path; empty: the model itself)."""
+        return _get_path(model, self.decoder_attr)
+
+    def outside_modules(self, model: nn.Module) -> list[nn.Module]:
+        """What runs before the blocks (embeddings, rotary tables) and the final norm: the decoder's
+        other children."""
+        decoder = self.decoder(model)
+        return [module for name, module in decoder.named_children() if name != self.layers_attr]
+
+    def prepare(self, handle) -> None:
+        """Rewrite the model into the form the rest of blockfold assumes, exactly, before anything runs
+        (nothing to do for most families)."""
+
+    def run_to_blocks(self, model: nn.Module, batch, device: torch.device) -> None:
+        """Run ``batch`` through the model's front and its blocks (a pipeline's hooks stop it where they
+        have what they need)."""
+        self.decoder(model)(input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device),
+                            position_ids=batch.position_ids.to(device), use_cache=False)
 
     def layers(self, model: nn.Module) -> nn.ModuleList:
         return getattr(self.decoder(model), self.layers_attr)
@@ -94,7 +114,7 @@ class DecoderAdapter:
 
     def attention_output_projection(self, layer: nn.Module) -> Projection:
         """The weight whose output the attention sublayer adds to the residual (before a post-attention norm)."""
-        projection = getattr(self.attention(layer), self.attention_output_attr, None)
+        projection = _get_path(self.attention(layer), self.attention_output_attr, None)
         if not isinstance(projection, nn.Linear):
             raise BlockfoldError(f"{self.name}: this block's attention has no output projection "
                                  f"{self.attention_output_attr!r} (a linearized sublayer?); this operation needs one")
@@ -171,6 +191,89 @@ class DecoderAdapter:
         norms = [self.input_norm_attr, self.post_attention_norm, self.pre_mlp_norm_attr, self.post_mlp_norm]
         return {"layer": index, "module": self.attention_attr, "replacement": "linear",
                 "identity": [name for name in norms if name], "zero": [self.mlp_attr]}
+
+
+def _get_path(owner: nn.Module, path: str, *default):
+    """``owner.a.b`` for ``path="a.b"`` (``owner`` for an empty path)."""
+    for name in filter(None, path.split(".")):
+        owner = getattr(owner, name, *default)
+    return owner
+
+
+@dataclass(frozen=True)
+class VisionEncoderAdapter(DecoderAdapter):
+    """Pre-norm transformer encoders of images (ViT, CLIP's and SigLIP's vision towers), as
+    transformers 5 builds them: patch embeddings (and a class token) before the blocks, a final
+    LayerNorm after them, blocks of ``h + attn(n1(h))`` then ``+ mlp(n2(.))`` with ``mlp.fc2`` the
+    MLP's output projection. Every token of every image is real; calibration is images."""
+
+    is_vision: bool = True
+    mlp_attr: str = "mlp"
+    down_proj_attr: str = "fc2"
+    #: tokens an image gets besides its patches (the class token)
+    class_tokens: int = 1
+
+    def outside_modules(self, model: nn.Module) -> list[nn.Module]:
+        """Every module outside the blocks, wherever it hangs (the embeddings sit beside the encoder)."""
+        layers = self.layers(model)
+        outside, holders = [], [model]
+        while holders:
+            for child in holders.pop().children():
+                if child is not layers:
+                    (holders if any(m is layers for m in child.modules()) else outside).append(child)
+        return outside
+
+    def tokens_per_image(self, config, height: int, width: int) -> int:
+        """Patches, class token and register tokens (DINOv2 with registers) of one image."""
+        patch = config.patch_size
+        return (height // patch) * (width // patch) + self.class_tokens + getattr(config, "num_register_tokens", 0)
+
+    def run_to_blocks(self, model: nn.Module, batch, device: torch.device) -> None:
+        model(pixel_values=batch.pixel_values.to(device, model.dtype))
+
+
+@dataclass(frozen=True)
+class LayerScaleEncoderAdapter(VisionEncoderAdapter):
+    """DINOv2: each sublayer's output is multiplied by a learned per-channel scale (``layer_scaleN.lambda1``)
+    before its residual add. ``prepare`` moves the scales into the output projections (``W ← diag(s) W``,
+    ``b ← s ⊙ b``, then ``s ← 1``), an exact rewrite after which the block is a plain pre-norm block:
+    the map folds into ``fc2`` (``down_proj`` with SwiGLU), the refit and criteria see the real
+    contributions. The checkpoint keeps the layer-scale parameters, at one."""
+
+    scale_attrs: tuple[str, str] = ("layer_scale1", "layer_scale2")
+
+    def down_proj(self, layer: nn.Module) -> nn.Linear:
+        mlp = self.mlp(layer)
+        return getattr(mlp, "fc2", None) or mlp.down_proj
+
+    def mlp_output_projections(self, layer: nn.Module) -> list[Projection]:
+        return [Projection(self.down_proj(layer))]
+
+    def attention_contribution_module(self, layer: nn.Module) -> nn.Module:
+        return getattr(layer, self.scale_attrs[0])
+
+    def mlp_contribution_module(self, layer: nn.Module) -> nn.Module:
+        return getattr(layer, self.scale_attrs[1])
+
+    def prepare(self, handle) -> None:
+        for layer in self.layers(handle.model):
+            for scale_attr, projection in zip(self.scale_attrs, (self.attention_output_projection(layer),
+                                                                 self.mlp_output_projections(layer)[0])):
+                scale = getattr(layer, scale_attr)
+                with handle.materialized(scale):
+                    s = scale.lambda1.detach().double().cpu()
+                if bool((s == 1).all()):
+                    continue
+                handle.transform(projection.module, "weight", lambda weight, s=s: s.to(weight.device)[:, None] * weight)
+                if projection.module.bias is not None:
+                    handle.transform(projection.module, "bias", lambda bias, s=s: s.to(bias.device) * bias)
+                handle.transform(scale, "lambda1", torch.ones_like)
+
+    def renumber_config(self, config, keep: list[int], sparse: list[bool]) -> None:
+        """The backbone fields name one stage per layer: keep them consistent, the output at the last stage."""
+        if getattr(config, "stage_names", None) is not None:
+            config.stage_names = ["stem"] + [f"stage{index}" for index in range(1, len(keep) + 1)]
+            config.set_output_features_output_indices(out_features=None, out_indices=None)
 
 
 @dataclass(frozen=True)

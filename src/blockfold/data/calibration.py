@@ -30,8 +30,16 @@ INSTRUCTION_FIELDS = (("instruction", "input", "output"), ("prompt", None, "answ
 
 @dataclass
 class Batch:
-    input_ids: torch.Tensor  # (batch, seq)
+    """Token sequences for a language model, or images for a vision encoder (``pixel_values``; then
+    ``input_ids`` is None and the mask has one entry per token the encoder makes of each image)."""
+
+    input_ids: torch.Tensor | None  # (batch, seq)
     attention_mask: torch.Tensor  # (batch, seq), 1 = real token
+    pixel_values: torch.Tensor | None = None  # (batch, channels, height, width)
+
+    def __len__(self) -> int:
+        """The number of sequences (images)."""
+        return self.attention_mask.shape[0]
 
     @property
     def position_ids(self) -> torch.Tensor:
@@ -44,7 +52,8 @@ class Batch:
 
     def rows(self, first: int, last: int) -> "Batch":
         """Sequences ``first``..``last - 1`` of the batch."""
-        return Batch(self.input_ids[first:last], self.attention_mask[first:last])
+        return Batch(None if self.input_ids is None else self.input_ids[first:last], self.attention_mask[first:last],
+                     None if self.pixel_values is None else self.pixel_values[first:last])
 
 
 @dataclass
@@ -304,7 +313,16 @@ def build_calibration(
     config: CalibrationConfig, tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel | None = None
 ) -> CalibrationSet:
     """Token batches for ``config``; with no source, the model writes its own calibration text; a
-    weighted mix takes each source's share of ``num_sequences``."""
+    weighted mix takes each source's share of ``num_sequences``. For a vision encoder, image batches
+    from the folder ``config.source`` (``tokenizer`` is then its image processor; ``data/images.py``)."""
+    if model is not None:
+        from blockfold.adapters import get_adapter
+
+        adapter = get_adapter(model)
+        if adapter.is_vision:
+            from blockfold.data.images import build_image_calibration
+
+            return build_image_calibration(config, tokenizer, adapter, model.config)
     sources = calibration_sources(config.source)
     if len(sources) == 1:
         sequences, description, texts_hash = _source_sequences(config, tokenizer, model)

@@ -179,7 +179,7 @@ def _first_sequences(batches: list[Batch], count: int) -> list[Batch]:
     for batch in batches:
         if total >= count:
             break
-        take = min(len(batch.input_ids), count - total)
+        take = min(len(batch), count - total)
         kept.append(batch.rows(0, take))
         total += take
     return kept

@@ -232,8 +232,7 @@ class ModelHandle:
 
     def top_modules(self) -> list[nn.Module]:
         """The decoder's modules outside its blocks (embeddings, rotary tables, final norm)."""
-        decoder = self.adapter.decoder(self.model)
-        return [module for name, module in decoder.named_children() if name != self.adapter.layers_attr]
+        return self.adapter.outside_modules(self.model)
 
     def head_modules(self) -> list[nn.Module]:
         """What turns the last hidden state into logits: the final norm and the LM head."""

@@ -12,9 +12,9 @@ and projector as they were), which the multimodal class loads as before.
 from __future__ import annotations
 
 from accelerate import init_empty_weights
-from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, PreTrainedModel
+from transformers import AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText, PreTrainedModel
 
-from blockfold.adapters import language_config
+from blockfold.adapters import ADAPTERS, language_config
 from blockfold.errors import BlockfoldError
 
 #: where a wrapper's ``model`` keeps its text decoder, by transformers' naming
@@ -30,8 +30,16 @@ def is_multimodal(config) -> bool:
 
 
 def auto_class(config):
-    """The transformers auto class that builds a checkpoint of ``config`` with its LM head."""
-    return AutoModelForImageTextToText if is_multimodal(config) else AutoModelForCausalLM
+    """The transformers auto class that builds a checkpoint of ``config``: with its LM head, or the
+    bare encoder of an image model."""
+    if is_multimodal(config):
+        return AutoModelForImageTextToText
+    return AutoModel if is_vision(config) else AutoModelForCausalLM
+
+
+def is_vision(config) -> bool:
+    adapter = ADAPTERS.get(getattr(config, "model_type", None))
+    return adapter is not None and adapter.is_vision
 
 
 def language_model_view(model: PreTrainedModel) -> PreTrainedModel:

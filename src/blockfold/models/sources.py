@@ -22,7 +22,7 @@ from transformers import AutoConfig, AutoTokenizer, PreTrainedModel, PreTrainedT
 from blockfold.errors import BlockfoldError
 from blockfold.models.checkpoint import CheckpointReader, has_safetensors
 from blockfold.models.handle import ModelHandle, WeightStore
-from blockfold.models.multimodal import auto_class, language_model_view
+from blockfold.models.multimodal import auto_class, is_vision, language_model_view
 from blockfold.models.quantized import check_quantized_source
 from blockfold.surgery.linearize import register_linearized_classes
 
@@ -124,6 +124,17 @@ def load_tokenizer(location: Path | str) -> PreTrainedTokenizerBase:
                              "needs the tokenizer files save_pretrained writes (tokenizer.json, tokenizer_config.json)") from None
 
 
+def load_image_processor(location: Path | str):
+    """A vision model's image processor (the PIL one where torchvision is absent), or None when its
+    folder has none (calibration then says what is missing)."""
+    from transformers import AutoImageProcessor
+
+    try:
+        return AutoImageProcessor.from_pretrained(location)
+    except (OSError, ValueError):
+        return None
+
+
 def skeleton(config, dtype: torch.dtype) -> PreTrainedModel:
     """The model with every parameter a placeholder on the meta device (buffers such as rotary
     tables are real: they are computed, not stored), in eval mode and without gradients."""
@@ -163,7 +174,9 @@ def load_model(
     device = device if isinstance(device, torch.device) else resolve_device(device)
     if isinstance(dtype, str):
         dtype = resolve_dtype(dtype, device, reader.floating_dtype() if reader is not None else None)
-    tokenizer = load_tokenizer(location) if with_tokenizer else None
+    tokenizer = None
+    if with_tokenizer:
+        tokenizer = load_image_processor(location) if is_vision(config) else load_tokenizer(location)
     if pipeline == "sequential":
         if reader is None:
             raise BlockfoldError(f"{spec} has no safetensors weights to read layer by layer: use --pipeline whole "

@@ -142,8 +142,8 @@ class Runner:
 
     def _sequences_within(self, budget: int, batches: list[Batch], observers: list[Observer]) -> int:
         """The most whole sequences of ``batches`` whose working memory fits ``budget`` bytes."""
-        length = max(batch.input_ids.shape[1] for batch in batches)
-        total = sum(len(batch.input_ids) for batch in batches)
+        length = max(batch.attention_mask.shape[1] for batch in batches)
+        total = sum(len(batch) for batch in batches)
         return sequences_for_budget(budget, self.activation_bytes_per_token(observers), length, total)
 
     def stats_budget(self) -> int:

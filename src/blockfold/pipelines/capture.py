@@ -59,7 +59,7 @@ def split_rows(batches: list[Batch], most: int | None) -> list[Batch]:
     """The batches, each larger than ``most`` sequences split by rows (None: as they are)."""
     if most is None:
         return batches
-    return [batch.rows(i, i + most) for batch in batches for i in range(0, len(batch.input_ids), most)]
+    return [batch.rows(i, i + most) for batch in batches for i in range(0, len(batch), most)]
 
 
 def check_finite(index: int, block_out: torch.Tensor) -> None:

@@ -30,11 +30,12 @@ CACHE_MARKER = "blockfold-stats-cache.json"
 
 
 def calibration_digest(batches: list[Batch]) -> str:
-    """A hash of the calibration tokens (ids and masks, in order)."""
+    """A hash of the calibration tokens (ids, masks and images, in order)."""
     hasher = hashlib.sha256()
     for batch in batches:
-        hasher.update(batch.input_ids.cpu().numpy().tobytes())
-        hasher.update(batch.attention_mask.cpu().numpy().tobytes())
+        for tensor in (batch.input_ids, batch.attention_mask, batch.pixel_values):
+            if tensor is not None:
+                hasher.update(tensor.cpu().numpy().tobytes())
     return hasher.hexdigest()[:24]
 
 

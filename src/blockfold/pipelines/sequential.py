@@ -75,8 +75,7 @@ class LayerProgram:
                     sink.clear()
                     device = handle.device
                     try:
-                        decoder(input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device),
-                                position_ids=batch.position_ids.to(device), use_cache=False)
+                        adapter.run_to_blocks(model, batch, device)
                     except _Recorded:
                         pass
                     store.put(f"h{number}", sink[0][0])
@@ -131,7 +130,7 @@ def chunks_of(batches: list[Batch], sequences_per_chunk: int | None) -> list[lis
     rows = split_rows(batches, sequences_per_chunk)
     grouped: list[list[Batch]] = [[]]
     for part in rows:
-        if grouped[-1] and sum(len(b.input_ids) for b in grouped[-1]) + len(part.input_ids) > sequences_per_chunk:
+        if grouped[-1] and sum(len(b) for b in grouped[-1]) + len(part) > sequences_per_chunk:
             grouped.append([])
         grouped[-1].append(part)
     return grouped
@@ -146,7 +145,7 @@ def run_sequential(handle: ModelHandle, chunks: list[list[Batch]], observers: li
     attention = needs_attention(observers)
     chunks = chunks[first_chunk:]
     d = handle.adapter.hidden_size(handle.model)
-    needed = [sum(batch.input_ids.numel() for batch in chunk) * d * handle.dtype.itemsize for chunk in chunks]
+    needed = [sum(batch.attention_mask.numel() for batch in chunk) * d * handle.dtype.itemsize for chunk in chunks]
     if store_kind == "disk":  # a folder without room fails before the pass, not in its middle
         check_offload_dir(offload_dir, max(needed, default=0))
     with tqdm(total=len(chunks) * (last_layer + 1), desc=description, unit="layer", disable=not show) as progress:

@@ -66,8 +66,7 @@ def run_whole(handle: ModelHandle, groups: list[Batch], observers: list[Observer
                 state["mask"] = mask
                 state["last_token"] = last_token_rows(mask)
                 try:
-                    adapter.decoder(model)(input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device),
-                                           position_ids=batch.position_ids.to(device), use_cache=False)
+                    adapter.run_to_blocks(model, batch, device)
                 except _StopForward:
                     pass
                 for obs in observers:

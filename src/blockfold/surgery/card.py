@@ -126,6 +126,7 @@ def model_card(manifest: dict, folder: Path, name: str, license_name: str | None
     source = (manifest.get("source_model") or {}).get("spec") or "a model built in memory"
     method = manifest.get("method", "?")
     multimodal = (manifest.get("architecture") or {}).get("multimodal")
+    vision = (manifest.get("architecture") or {}).get("vision", False)
     front = {"license": license_name or "other", "library_name": "transformers",
              "tags": ["blockfold", method, "depth-pruning" if not manifest.get("replaced") else "linearized-layers"]}
     load_args = f'"{name}"' + (", trust_remote_code=True" if remote_code else "")
@@ -136,8 +137,11 @@ def model_card(manifest: dict, folder: Path, name: str, license_name: str | None
              "## What was done", "", _what_was_done(manifest), "",
              "## Measured", "", *(_measured(manifest) or ["- Nothing measured at compression time."]),
              "", "Measure it against its source with `blockfold eval " + name + " --ppl FILE --tasks ...`.", "",
-             "## Load", "", "```python", *_load_lines(name, load_args, multimodal), "```", ""]
-    if multimodal:
+             "## Load", "", "```python", *_load_lines(name, load_args, multimodal, vision), "```", ""]
+    if vision:
+        lines += [f"A standard `{architecture}` image encoder with fewer layers and no new parameters: plain "
+                  "transformers loads it as it is, with its image processor.", ""]
+    elif multimodal:
         lines += [f"A standard `{architecture}` checkpoint: its language model has fewer layers and no new parameters, "
                   "its vision encoder and projector are the source's, byte for byte. Plain transformers and vLLM load it "
                   "as they load the source:", "", "```bash", f"vllm serve {name}", "```", ""]
@@ -179,7 +183,11 @@ def model_card(manifest: dict, folder: Path, name: str, license_name: str | None
     return "\n".join(lines)
 
 
-def _load_lines(name: str, load_args: str, multimodal: dict | None) -> list[str]:
+def _load_lines(name: str, load_args: str, multimodal: dict | None, vision: bool) -> list[str]:
+    if vision:
+        return ["from transformers import AutoImageProcessor, AutoModel",
+                f"model = AutoModel.from_pretrained({load_args})",
+                f'processor = AutoImageProcessor.from_pretrained("{name}")']
     if multimodal:
         return ["from transformers import AutoModelForImageTextToText, AutoProcessor",
                 f"model = AutoModelForImageTextToText.from_pretrained({load_args})",
