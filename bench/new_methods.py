@@ -80,13 +80,15 @@ def main() -> None:
                                                     "lambada_openai), run on a bfloat16 copy of each model")
     parser.add_argument("--limit", type=int, default=500, help="first N examples per task")
     parser.add_argument("--no-perplexity", action="store_true", help="harness accuracy only")
+    parser.add_argument("--device", default="cpu", help="where the models run (cuda: the harness tables take minutes "
+                                                        "there, hours on two CPU cores)")
     parser.add_argument("--sleb-sequences", type=int, default=4,
                         help="SLEB alone calibrates on this many sequences of 256 tokens: it scores every "
                              "remaining block with the whole model's loss at every step (issue #3's setting)")
     args = parser.parse_args()
     results = {"provenance": provenance(["bench/new_methods.py", *sys.argv[1:]]), "model": args.model,
                "blocks": args.blocks, "rows": []}
-    loaded = blockfold.load_model(args.model)
+    loaded = blockfold.load_model(args.model, device=args.device)
     calibration = build_calibration(CalibrationConfig(source=str(DATA / "c4_demo.jsonl"),
                                                       max_documents=CALIBRATION_DOCUMENTS), loaded.tokenizer)
     sleb_calibration = build_calibration(CalibrationConfig(source=str(DATA / "c4_demo.jsonl"),

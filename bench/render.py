@@ -629,6 +629,25 @@ def render_accuracy(parts: list[dict]) -> str:
     return "\n".join(lines).rstrip()
 
 
+def render_vision(results: dict) -> str:
+    """Issue #15 item 3: each method on an image encoder, its embeddings' agreement with the original's
+    and k-NN accuracy on held-out images."""
+    images = results["images"]
+    lines = [f"{results['model']}; calibration: the first {images['calibration']} of {images['source']}, evaluation: the "
+             f"next {images['held_out']} (held out).", "",
+             "| method | blocks removed | removed blocks | cosine to the original (mean) | worst image | 5-NN accuracy "
+             "| parameters |",
+             "|---|---|---|---|---|---|---|",
+             f"| original | - | - | 1 | 1 | {results['original']['knn_accuracy']:.3f} | "
+             f"{results['original']['parameters'] / 1e6:.1f} M |"]
+    for row in results["rows"]:
+        agreement = row["agreement"]
+        lines.append(f"| {_method_label(row)} | {row['blocks']} | {_span(row['removed_blocks'])} | "
+                     f"{agreement['cosine_mean']:.6f} | {agreement['cosine_min']:.6f} | {row['knn_accuracy']:.3f} | "
+                     f"{row['parameters'] / 1e6:.1f} M |")
+    return "\n".join([*lines, "", *_footer([results])])
+
+
 def render_selection(parts: list[dict]) -> str:
     """Issue #16 item 3: each estimator's span under each fit criterion, scored by its own map or by lstsq."""
     lines = []
@@ -658,6 +677,7 @@ SECTIONS: dict[str, tuple[str | tuple[str, ...], Callable]] = {
     "quantized-input": ("quantized_input.json", render_quantized_input),
     "new-methods": (("new_methods.json", "new_methods_part2.json", "new_methods_part3.json"), render_new_methods),
     "selection": (("selection_smollm2_c4.json",), render_selection),
+    "vision": ("vision.json", render_vision),
     "refit": (("new_methods_part2.json", "refit_study_part1.json", "refit_study_part2.json", "refit_study_part3.json",
                "refit_validation_4.json", "refit_validation_12.json", "refit_validation_12_plain.json"),
               render_refit),

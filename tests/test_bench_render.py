@@ -200,3 +200,15 @@ def test_accuracy_section_gives_each_methods_accuracy_relative_performance_and_c
     assert "| original | - | 0.700 | 0.500 | 0.600 | 1 | - | 100.0 M |" in text
     assert "| replaceme:refit=none (no refit) | 12-14 | 0.600 | 0.400 | 0.500 | 0.833 ± 0.025 | 1.00 | 90.0 M |" in text
     assert "first 500 examples" in text and "### m, 3 blocks removed" in text and "abcdef123456" in text
+
+
+def test_vision_section_gives_each_methods_agreement_and_knn_accuracy(render):
+    row = {"method": "uidl", "blocks": 2, "removed_blocks": [6, 7], "parameters": 73.5e6, "recipe": {"settings": {}},
+           "agreement": {"cosine_mean": 0.9699176, "cosine_min": 0.9669537, "images": 300}, "knn_accuracy": 0.4933}
+    results = {"provenance": PROVENANCE, "model": "a tower", "rows": [row],
+               "images": {"source": "digits", "calibration": 128, "held_out": 300},
+               "original": {"parameters": 87.8e6, "knn_accuracy": 0.5}}
+    text = render.render_vision(results)
+    assert "| original | - | - | 1 | 1 | 0.500 | 87.8 M |" in text
+    assert "| uidl | 2 | 6-7 | 0.969918 | 0.966954 | 0.493 | 73.5 M |" in text
+    assert "the first 128 of digits" in text and "abcdef123456" in text
