@@ -85,6 +85,9 @@ def render_scale(results: dict) -> str:
 
 
 def _span(blocks: list[int]) -> str:
+    """Blocks as a range where contiguous; none (a method that linearizes blocks instead) as "-"."""
+    if not blocks:
+        return "-"
     return f"{blocks[0]}-{blocks[-1]}" if blocks == list(range(blocks[0], blocks[-1] + 1)) else ", ".join(map(str, blocks))
 
 
@@ -675,7 +678,8 @@ SECTIONS: dict[str, tuple[str | tuple[str, ...], Callable]] = {
     "scale-out": ("scale_out.json", render_scale_out),
     "serving": (("serving.json", "serving_gemma.json"), render_serving),
     "quantized-input": ("quantized_input.json", render_quantized_input),
-    "new-methods": (("new_methods.json", "new_methods_part2.json", "new_methods_part3.json"), render_new_methods),
+    "new-methods": (("new_methods.json", "new_methods_part2.json", "new_methods_part3.json", "new_methods_gemma_4.json"),
+                    render_new_methods),
     "selection": (("selection_smollm2_c4.json",), render_selection),
     "vision": ("vision.json", render_vision),
     "refit": (("new_methods_part2.json", "refit_study_part1.json", "refit_study_part2.json", "refit_study_part3.json",
