@@ -110,6 +110,25 @@ def random_calibration(num_sequences=8, length=24, batch_size=4, seed=1) -> Cali
     return CalibrationSet(batches, {"source": "random", "sequences": num_sequences, "tokens": ids.numel()})
 
 
+class ExplicitTransform(torch.nn.Module):
+    """An output projection followed by an explicit linear map: the unfolded reference a fold must equal."""
+
+    def __init__(self, projection, transform):
+        super().__init__()
+        self.projection, self.transform = projection, transform.float()
+
+    def forward(self, x):
+        return self.projection(x) @ self.transform
+
+
+def checkpoint_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor a saved checkpoint holds, by name."""
+    from blockfold.models.checkpoint import CheckpointReader
+
+    reader = CheckpointReader(folder)
+    return {name: reader.get(name) for name in reader.names()}
+
+
 def silence_blocks(model, indices) -> None:
     """Zero the attention and MLP output projections of blocks ``indices``: each then passes its input
     through unchanged (a span any method should remove without a trace)."""

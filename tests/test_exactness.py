@@ -7,7 +7,7 @@ import copy
 import numpy as np
 import pytest
 import torch
-from conftest import handle_of, random_calibration, stream, tiny_model
+from conftest import ExplicitTransform, handle_of, random_calibration, stream, tiny_model
 
 import blockfold
 from blockfold.adapters import get_adapter
@@ -16,17 +16,6 @@ from blockfold.errors import BlockfoldError
 from blockfold.estimate import fit_lstsq
 from blockfold.stats import SpanStatistics
 from blockfold.surgery import fold_into_down_proj, remove_blocks
-
-
-class _ExplicitTransform(torch.nn.Module):
-    """``down_proj`` followed by an explicit linear map: the unfolded reference."""
-
-    def __init__(self, down_proj, transform):
-        super().__init__()
-        self.down_proj, self.transform = down_proj, transform.float()
-
-    def forward(self, x):
-        return self.down_proj(x) @ self.transform
 
 
 def test_folded_model_matches_explicit_transform(arch):
@@ -38,7 +27,7 @@ def test_folded_model_matches_explicit_transform(arch):
 
     reference = copy.deepcopy(model)
     mlp = adapter.mlp(adapter.layers(reference)[start - 1])
-    setattr(mlp, adapter.down_proj_attr, _ExplicitTransform(adapter.down_proj(adapter.layers(reference)[start - 1]), transform))
+    setattr(mlp, adapter.down_proj_attr, ExplicitTransform(adapter.down_proj(adapter.layers(reference)[start - 1]), transform))
     remove_blocks(reference, adapter, span)
 
     fold_into_down_proj(handle_of(model), adapter.down_proj(adapter.layers(model)[start - 1]), transform)
@@ -173,7 +162,7 @@ def test_linearized_norm_fold_matches_explicit_linear_map(arch):
     reference = copy.deepcopy(model)
     layer = adapter.layers(reference)[block]
     mlp = adapter.mlp(layer)
-    setattr(mlp, adapter.down_proj_attr, _ExplicitTransform(adapter.down_proj(layer), transform))
+    setattr(mlp, adapter.down_proj_attr, ExplicitTransform(adapter.down_proj(layer), transform))
     setattr(layer, adapter.post_mlp_norm, torch.nn.Identity())
 
     captured = []

@@ -13,8 +13,7 @@ import sys
 
 import pytest
 import torch
-from conftest import COMMON, VOCAB, random_calibration, tiny_tokenizer
-from safetensors import safe_open
+from conftest import COMMON, VOCAB, checkpoint_tensors, random_calibration, tiny_tokenizer
 from transformers import AutoConfig, AutoModelForImageTextToText
 
 import blockfold
@@ -73,14 +72,6 @@ def corpus_file(tmp_path):
     return corpus
 
 
-def tensors(folder) -> dict[str, torch.Tensor]:
-    found = {}
-    for path in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(path), "pt") as handle:
-            found.update({name: handle.get_tensor(name) for name in handle.keys()})
-    return found
-
-
 def is_text(name: str) -> bool:
     return any(part in name for part in ("language_model", "text_model", "lm_head"))
 
@@ -127,7 +118,7 @@ def test_the_language_model_is_compressed_in_place_and_the_multimodal_class_relo
     assert reloaded["class"] == type(tiny_multimodal(kind)).__name__ and reloaded["layers"] == 4
     assert (torch.tensor(reloaded["logits"]) - expected).abs().max() <= 1e-4
 
-    source, written = tensors(folder), tensors(out)
+    source, written = checkpoint_tensors(folder), checkpoint_tensors(out)
     vision = {name for name in source if not is_text(name)}
     assert vision and vision == {name for name in written if not is_text(name)}
     for name in vision:
@@ -156,9 +147,9 @@ def test_cli_streams_a_multimodal_checkpoint_layer_by_layer_to_the_same_tensors(
         code = main(["compress", "--model", str(folder), "--calib", str(corpus), "--out", str(out), "--num-seqs", "8",
                      "--seq-len", "32", "--blocks", "2", "--pipeline", pipeline])
         assert code == 0, capsys.readouterr().err
-        written[pipeline] = tensors(out)
-    assert written["whole"].keys() == written["sequential"].keys() == tensors(folder).keys() - {
-        name for name in tensors(folder) if ".layers.4." in name or ".layers.5." in name}
+        written[pipeline] = checkpoint_tensors(out)
+    assert written["whole"].keys() == written["sequential"].keys() == checkpoint_tensors(folder).keys() - {
+        name for name in checkpoint_tensors(folder) if ".layers.4." in name or ".layers.5." in name}
     for name, tensor in written["whole"].items():
         assert torch.allclose(tensor, written["sequential"][name], rtol=1e-5, atol=1e-6), name
 

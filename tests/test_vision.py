@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from safetensors import safe_open
 from transformers import AutoConfig, AutoModel, ViTImageProcessorPil
 
 import blockfold
@@ -25,7 +24,7 @@ from blockfold.errors import BlockfoldError
 from blockfold.recipe import CalibrationConfig, Recipe
 from blockfold.surgery import remove_blocks
 from blockfold.surgery.fold import fold_into_down_proj
-from conftest import handle_of
+from conftest import ExplicitTransform, checkpoint_tensors, handle_of
 
 ENCODERS = ["vit", "clip_vision_model", "siglip_vision_model", "dinov2"]
 SHAPE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4, image_size=28, patch_size=7)
@@ -69,15 +68,6 @@ def pixels(count: int = 4, seed: int = 5) -> torch.Tensor:
     return torch.randn(count, 3, 28, 28, generator=torch.Generator().manual_seed(seed))
 
 
-class _ExplicitTransform(torch.nn.Module):
-    def __init__(self, fc2: torch.nn.Linear, transform: torch.Tensor):
-        super().__init__()
-        self.fc2, self.transform = fc2, transform.float()
-
-    def forward(self, x):
-        return self.fc2(x) @ self.transform
-
-
 @pytest.mark.parametrize("model_type", ENCODERS)
 def test_folded_encoder_matches_explicit_transform(model_type):
     model = tiny_encoder(model_type)
@@ -93,7 +83,7 @@ def test_folded_encoder_matches_explicit_transform(model_type):
         assert (model(pixel_values=pixels()).last_hidden_state - original).abs().max() <= 1e-5
     reference = copy.deepcopy(model)
     mlp = adapter.mlp(adapter.layers(reference)[start - 1])
-    mlp.fc2 = _ExplicitTransform(mlp.fc2, transform)
+    mlp.fc2 = ExplicitTransform(mlp.fc2, transform)
     remove_blocks(reference, adapter, span)
     fold_into_down_proj(handle_of(model), adapter.down_proj(adapter.layers(model)[start - 1]), transform)
     remove_blocks(model, adapter, span)
@@ -140,16 +130,8 @@ def test_compressed_encoder_is_a_standard_checkpoint_that_reloads_without_blockf
     assert "AutoModel.from_pretrained" in (out / "README.md").read_text()
 
 
-def _tensors(folder) -> dict[str, torch.Tensor]:
-    found = {}
-    for path in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(path), "pt") as handle:
-            found.update({name: handle.get_tensor(name) for name in handle.keys()})
-    return found
-
-
 @pytest.mark.parametrize("model_type", ["vit", "dinov2"])
-def test_cli_compresses_an_encoder_layer_by_layer_to_the_same_tensors(capsys, model_type, tmp_path):
+def test_cli_compresses_an_encoder_layer_by_layer_to_the_samecheckpoint_tensors(capsys, model_type, tmp_path):
     folder, images = source_folder(model_type, tmp_path), image_folder(tmp_path / "images")
     written = {}
     for pipeline in ("whole", "sequential"):
@@ -157,9 +139,9 @@ def test_cli_compresses_an_encoder_layer_by_layer_to_the_same_tensors(capsys, mo
         code = main(["compress", "--model", str(folder), "--calib", str(images), "--out", str(out), "--num-seqs", "16",
                      "--blocks", "2", "--pipeline", pipeline])
         assert code == 0, capsys.readouterr().err
-        written[pipeline] = _tensors(out)
+        written[pipeline] = checkpoint_tensors(out)
     assert written["whole"].keys() == written["sequential"].keys()
-    assert len(written["whole"]) < len(_tensors(folder))
+    assert len(written["whole"]) < len(checkpoint_tensors(folder))
     for name, tensor in written["whole"].items():
         assert torch.allclose(tensor, written["sequential"][name], rtol=1e-5, atol=1e-6), name
 
