@@ -137,7 +137,8 @@ def test_gemma3_compress_reload_generate(tmp_path):
     plain_model = copy.deepcopy(gemma.model)
     remove_blocks(plain_model, get_adapter(plain_model), blocks)
     plain = perplexity(plain_model, windows)["perplexity"]
-    # on 40 windows with 64 × 512 tokens: 62.1 original, 266.7 folded, 8288 plain removal
+    # on 40 windows with 64 × 512 tokens: 62.1 original, 266.7 folded, 8288 plain removal (windows without
+    # BOS, before 2026-12-03; the assertion holds with BOS on each window, rerun that day)
     assert original < fitted < 0.2 * plain, (original, fitted, plain)
     _assert_reloads_and_generates_same(result.model, gemma.tokenizer, result.manifest, tmp_path)
 
@@ -166,6 +167,7 @@ def test_smollm2_nbl_beats_drop_attention_and_ships_its_modeling_code(smollm2, t
 
 
 #: bench/nbl_baselines.py on 40 windows with 64 × 512 tokens: 62.1 original, 94.6 NBL (cosine), 121.8 DROP-attn
+#: (windows without BOS, before 2026-12-03; the test passes with BOS on each window, rerun that day)
 GEMMA_NBL4_PPL_BOUND = 2.0
 
 

@@ -202,7 +202,7 @@ def _pack(texts: list[str], config: CalibrationConfig, tokenizer) -> list[torch.
         stream = [token for ids in tokenizer(texts).input_ids for token in [*ids, eos]]
     else:
         stream = tokenizer("\n\n".join(texts)).input_ids
-    start = _text_start(tokenizer) if config.start_every_sequence else []
+    start = text_start(tokenizer) if config.start_every_sequence else []
     sequences, cursor = [], 0
     while len(sequences) < config.num_sequences:
         head = [] if stream[cursor : cursor + len(start)] == start else start
@@ -221,7 +221,7 @@ def _pack(texts: list[str], config: CalibrationConfig, tokenizer) -> list[torch.
     return sequences
 
 
-def _text_start(tokenizer) -> list[int]:
+def text_start(tokenizer) -> list[int]:
     """The special tokens the tokenizer puts before a text: ``[BOS]`` for Gemma or Llama, none for
     SmolLM2 (whose tokenizer adds nothing)."""
     bos = tokenizer.bos_token_id

@@ -1,4 +1,5 @@
-"""Perplexity with the standard recipe: the whole text tokenised once, non-overlapping windows."""
+"""Perplexity with the standard recipe: the whole text tokenised once, non-overlapping windows, each
+beginning as a text does (BOS for Gemma and Llama, as lm-eval's rolling windows do)."""
 
 from __future__ import annotations
 
@@ -25,11 +26,21 @@ def read_eval_text(path: str | Path) -> str:
 
 
 def tokenize_windows(text: str, tokenizer: PreTrainedTokenizerBase, seq_len: int, max_windows: int | None) -> torch.Tensor:
-    ids = tokenizer(text, return_tensors="pt").input_ids[0]
-    count = len(ids) // seq_len if max_windows is None else min(max_windows, len(ids) // seq_len)
+    """Windows of ``seq_len`` tokens, each the tokenizer's text start (BOS where it adds one) and the
+    next ``seq_len - len(start)`` tokens of the text. A model trained to always see BOS, Gemma above
+    all, loses its attention sink without it: Gemma-3-270m scored 72.2 on WikiText-2 windows 40-59
+    cut from one stream, 24.0 with BOS before each (blockfold cut them from one stream until 2026-12-03)."""
+    from blockfold.data.calibration import text_start
+
+    start = text_start(tokenizer)
+    ids = torch.tensor(tokenizer(text, add_special_tokens=False).input_ids)
+    body = seq_len - len(start)
+    available = len(ids) // body if body > 0 else 0
+    count = available if max_windows is None else min(max_windows, available)
     if count == 0:
         raise BlockfoldError(f"perplexity text has {len(ids)} tokens, fewer than one window of {seq_len}: use a longer text")
-    return ids[: count * seq_len].view(count, seq_len)
+    windows = ids[: count * body].view(count, body)
+    return torch.cat([torch.tensor(start, dtype=windows.dtype).expand(count, len(start)), windows], dim=1)
 
 
 #: rows of logits computed at once: a full-vocabulary float32 row is vocab × 4 bytes (1 MiB for 262k tokens)
