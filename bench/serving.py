@@ -45,6 +45,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import blockfold
 from blockfold.api import provenance
 from blockfold.errors import BlockfoldError
+from blockfold.eval import tokenize_windows
 from blockfold.export import export_gguf
 from blockfold.export.gguf import _source_gguf  # the source GGUF a converted model records
 from blockfold.models.sources import resolve_model_path
@@ -55,8 +56,8 @@ log = logging.getLogger("bench.serving")
 
 
 def _windows(tokenizer, count: int, length: int) -> list[list[int]]:
-    ids = tokenizer((DATA / "wikitext2_test.txt").read_text())["input_ids"]
-    return [ids[start : start + length] for start in range(0, count * length, length)]
+    """The project's perplexity windows (each beginning with BOS where the tokenizer adds one)."""
+    return tokenize_windows((DATA / "wikitext2_test.txt").read_text(), tokenizer, length, count).tolist()
 
 
 def _speed(result: dict) -> dict:

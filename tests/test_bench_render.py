@@ -212,3 +212,16 @@ def test_vision_section_gives_each_methods_agreement_and_knn_accuracy(render):
     assert "| original | - | - | 1 | 1 | 0.500 | 87.8 M |" in text
     assert "| uidl | 2 | 6-7 | 0.969918 | 0.966954 | 0.493 | 73.5 M |" in text
     assert "the first 128 of digits" in text and "abcdef123456" in text
+
+
+def test_gemma_perplexities_measured_on_windows_without_bos_carry_a_note(render):
+    """A results file naming Gemma, from a run before windows began with BOS (or with no date at all),
+    gets the note; the same file re-measured since, or a SmolLM2 file of any date, does not."""
+    old = {"model": "gemma3-270m", "provenance": PROVENANCE, "rows": [{"perplexity": 79.9}]}
+    fresh = {**old, "provenance": {**PROVENANCE, "date": "2026-12-03 12:05 UTC"}}
+    undated = {"model": "gemma3-270m", "runs": [{"perplexity": 94.6}]}
+    smollm2 = {**old, "model": "smollm2-135m"}
+    assert "without BOS" in render.windows_warning([smollm2, old])
+    assert "without BOS" in render.windows_warning(undated)
+    assert render.windows_warning([fresh, smollm2]) is None
+    assert render.windows_warning({**fresh, "rows": [{"provenance": PROVENANCE}]}) is not None, "an older row inside"
