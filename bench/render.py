@@ -640,7 +640,7 @@ def render_accuracy(parts: list[dict]) -> str:
             return [accuracy[task]["metrics"]["acc"] for task in tasks]
 
         calibration = results["calibration"]
-        lines += [f"### {results['model']}, {results['blocks']} blocks removed", "",
+        lines += [f"#### {results['model']}, {results['blocks']} blocks removed", "",
                   f"Harness accuracy (`acc`, 0-shot, the first {results['limit']} examples of each task, a "
                   f"{results.get('eval_dtype', 'bfloat16')} copy of each model). RP: relative performance, each task's accuracy over the original's, averaged "
                   "over the tasks, ± its standard error. Calibration "
@@ -711,6 +711,7 @@ SECTIONS: dict[str, tuple[str | tuple[str, ...], Callable]] = {
     "new-methods": (("new_methods.json", "new_methods_part2.json", "new_methods_part3.json", "new_methods_gemma_4.json"),
                     render_new_methods),
     "selection": (("selection_smollm2_c4.json",), render_selection),
+    "accuracy": (("new_methods_accuracy.json",), render_accuracy),
     "vision": ("vision.json", render_vision),
     "refit": (("new_methods_part2.json", "refit_study_part1.json", "refit_study_part2.json", "refit_study_part3.json",
                "refit_validation_4.json", "refit_validation_12.json", "refit_validation_12_plain.json"),

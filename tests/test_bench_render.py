@@ -199,7 +199,7 @@ def test_accuracy_section_gives_each_methods_accuracy_relative_performance_and_c
     text = render.render_accuracy([results])
     assert "| original | - | 0.700 | 0.500 | 0.600 | 1 | - | 100.0 M |" in text
     assert "| replaceme:refit=none (no refit) | 12-14 | 0.600 | 0.400 | 0.500 | 0.833 ± 0.025 | 1.00 | 90.0 M |" in text
-    assert "first 500 examples" in text and "### m, 3 blocks removed" in text and "abcdef123456" in text
+    assert "first 500 examples" in text and "#### m, 3 blocks removed" in text and "abcdef123456" in text
 
 
 def test_vision_section_gives_each_methods_agreement_and_knn_accuracy(render):
