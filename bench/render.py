@@ -642,8 +642,8 @@ def render_accuracy(parts: list[dict]) -> str:
         calibration = results["calibration"]
         lines += [f"#### {results['model']}, {results['blocks']} blocks removed", "",
                   f"Harness accuracy (`acc`, 0-shot, the first {results['limit']} examples of each task, a "
-                  f"{results.get('eval_dtype', 'bfloat16')} copy of each model). RP: relative performance, each task's accuracy over the original's, averaged "
-                  "over the tasks, ± its standard error. Calibration "
+                  f"{results.get('eval_dtype', 'bfloat16')} copy of each model). RP: relative performance, each "
+                  "task's accuracy over the original's, averaged over the tasks, ± its standard error. Calibration "
                   f"{calibration.get('source')} ({calibration.get('sequences')} x {calibration.get('sequence_length')} "
                   "tokens; SLEB: its own smaller set, see the row's JSON); block forwards in passes of each method's "
                   "calibration set.", "",

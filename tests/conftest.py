@@ -111,14 +111,15 @@ def random_calibration(num_sequences=8, length=24, batch_size=4, seed=1) -> Cali
 
 
 class ExplicitTransform(torch.nn.Module):
-    """An output projection followed by an explicit linear map: the unfolded reference a fold must equal."""
+    """A module (an output projection, a whole MLP) followed by an explicit linear map: the unfolded
+    reference a fold must equal."""
 
-    def __init__(self, projection, transform):
+    def __init__(self, module, transform):
         super().__init__()
-        self.projection, self.transform = projection, transform.float()
+        self.module, self.transform = module, transform.float()
 
     def forward(self, x):
-        return self.projection(x) @ self.transform
+        return self.module(x) @ self.transform
 
 
 def checkpoint_tensors(folder: Path) -> dict[str, torch.Tensor]:

@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import copy
 import json
-import sys
 
 import pytest
 import torch
-from conftest import (MOE_ARCHITECTURES, generate_without_blockfold, handle_of, random_calibration, stream,
+from conftest import (MOE_ARCHITECTURES, ExplicitTransform, generate_without_blockfold, handle_of, random_calibration,
                       tiny_model, tiny_tokenizer)
 from safetensors import safe_open
 
@@ -27,17 +26,6 @@ IDS = torch.randint(4, 96, (2, 20), generator=torch.Generator().manual_seed(7))
 @pytest.fixture(params=MOE_ARCHITECTURES)
 def moe_arch(request) -> str:
     return request.param
-
-
-class _ExplicitMap(torch.nn.Module):
-    """The MLP (all experts, routing and shared expert) followed by an explicit linear map."""
-
-    def __init__(self, mlp, transform):
-        super().__init__()
-        self.mlp, self.transform = mlp, transform.float()
-
-    def forward(self, hidden):
-        return self.mlp(hidden) @ self.transform
 
 
 def _kinds(model) -> list[bool]:
@@ -60,7 +48,7 @@ def test_fold_into_every_expert_equals_the_explicit_map(moe_arch, block):
 
     reference = copy.deepcopy(model)
     layer = adapter.layers(reference)[block]
-    setattr(layer, adapter.mlp_attr, _ExplicitMap(adapter.mlp(layer), transform))
+    setattr(layer, adapter.mlp_attr, ExplicitTransform(adapter.mlp(layer), transform))
     remove_blocks(reference, adapter, span)
 
     fold_into_mlp_output(handle_of(model), adapter.layers(model)[block], transform)

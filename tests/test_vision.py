@@ -131,7 +131,7 @@ def test_compressed_encoder_is_a_standard_checkpoint_that_reloads_without_blockf
 
 
 @pytest.mark.parametrize("model_type", ["vit", "dinov2"])
-def test_cli_compresses_an_encoder_layer_by_layer_to_the_samecheckpoint_tensors(capsys, model_type, tmp_path):
+def test_cli_compresses_an_encoder_layer_by_layer_to_the_same_tensors(capsys, model_type, tmp_path):
     folder, images = source_folder(model_type, tmp_path), image_folder(tmp_path / "images")
     written = {}
     for pipeline in ("whole", "sequential"):

@@ -10,6 +10,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from blockfold.data.calibration import text_start
 from blockfold.errors import BlockfoldError
 
 WIKITEXT_HINT = (
@@ -30,8 +31,6 @@ def tokenize_windows(text: str, tokenizer: PreTrainedTokenizerBase, seq_len: int
     next ``seq_len - len(start)`` tokens of the text. A model trained to always see BOS, Gemma above
     all, loses its attention sink without it: Gemma-3-270m scored 72.2 on WikiText-2 windows 40-59
     cut from one stream, 24.0 with BOS before each (blockfold cut them from one stream until 2026-12-03)."""
-    from blockfold.data.calibration import text_start
-
     start = text_start(tokenizer)
     ids = torch.tensor(tokenizer(text, add_special_tokens=False).input_ids)
     body = seq_len - len(start)
