@@ -8,6 +8,8 @@ calibration set through every block of the original (machine-independent), and t
     .venv/bin/python bench/new_methods.py --model smollm2-135m --blocks 8
     .venv/bin/python bench/new_methods.py --model gemma3-270m --blocks 4 --methods prune-comp,laco,linear-patch
     .venv/bin/python bench/new_methods.py --no-perplexity --tasks piqa,arc_easy,hellaswag,lambada_openai --limit 500
+    .venv/bin/python bench/new_methods.py --no-perplexity --tasks ... --methods sleb,laco \
+        --original-from bench/results/new_methods_accuracy.json --json bench/results/new_methods_accuracy_part2.json
 
 Each method is ``blockfold.compress`` with its defaults (``method:key=value`` changes one setting,
 e.g. ``prune-comp:compensate=false`` for the paper's ablation) on the issue-2 recipe: c4_demo
@@ -65,6 +67,22 @@ def evaluation_dtype(name: str, device: str) -> torch.dtype:
     return getattr(torch, name)
 
 
+def earlier_original(path: str, model: str, tasks: list[str], limit: int, dtype: torch.dtype) -> dict:
+    """The original's harness accuracy from an earlier run of the same model, tasks, limit and dtype, so
+    a run that adds rows to a table does not spend a quarter of an hour re-measuring the same model."""
+    try:
+        earlier = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise SystemExit(f"--original-from {path}: cannot read it as a results JSON ({error}); give a file a "
+                         "run of this bench wrote with --tasks")
+    wanted = {"model": model, "tasks": tasks, "limit": limit, "eval_dtype": str(dtype).removeprefix("torch.")}
+    found = {key: earlier.get(key) for key in wanted}
+    if found != wanted or "accuracy" not in earlier.get("original", {}):
+        raise SystemExit(f"--original-from {path}: it measured {found}, this run measures {wanted}; give a run of the "
+                         "same model, tasks, limit and dtype, or leave the option out to measure the original here")
+    return earlier["original"]["accuracy"]
+
+
 def parse_method(spec: str) -> tuple[str, dict]:
     """``prune-comp:compensate=false,importance=perplexity`` → ("prune-comp", {...})."""
     method, _, rest = spec.partition(":")
@@ -90,12 +108,18 @@ def main() -> None:
     parser.add_argument("--eval-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                         help="the copy the harness runs (auto: bfloat16 on cuda, float32 on cpu)")
     parser.add_argument("--no-perplexity", action="store_true", help="harness accuracy only")
+    parser.add_argument("--original-from", default=None,
+                        help="take the original's accuracy from this earlier results JSON (same model, tasks, limit "
+                             "and dtype) instead of measuring it again")
     parser.add_argument("--device", default="cpu", help="where the models run (cuda: the harness tables take minutes "
                                                         "there, hours on two CPU cores)")
     parser.add_argument("--sleb-sequences", type=int, default=4,
                         help="SLEB alone calibrates on this many sequences of 256 tokens: it scores every "
                              "remaining block with the whole model's loss at every step (issue #3's setting)")
     args = parser.parse_args()
+    tasks = [task for task in args.tasks.split(",") if task]
+    dtype = evaluation_dtype(args.eval_dtype, args.device)
+    earlier = earlier_original(args.original_from, args.model, tasks, args.limit, dtype) if args.original_from else None
     results = {"provenance": provenance(["bench/new_methods.py", *sys.argv[1:]]), "model": args.model,
                "blocks": args.blocks, "rows": []}
     loaded = blockfold.load_model(args.model, device=args.device)
@@ -113,14 +137,15 @@ def main() -> None:
     Runner(handle).run(calibration, [SpanStatistics(handle.num_layers(), max_length=1)], "reference pass")
     pass_seconds = time.perf_counter() - started
     results["pass_seconds"] = pass_seconds
-    tasks = [task for task in args.tasks.split(",") if task]
     results["original"] = {"parameters": count_parameters(loaded.model)}
     if not args.no_perplexity:
         results["original"]["perplexity"] = measure(loaded.model, texts, "original")
     if tasks:
-        dtype = evaluation_dtype(args.eval_dtype, args.device)
         results["tasks"], results["limit"], results["eval_dtype"] = tasks, args.limit, str(dtype).removeprefix("torch.")
-        results["original"]["accuracy"] = accuracy(loaded.model, loaded.tokenizer, tasks, args.limit, dtype)
+        if earlier is not None:
+            results["original"]["accuracy"], results["original_from"] = earlier, args.original_from
+        else:
+            results["original"]["accuracy"] = accuracy(loaded.model, loaded.tokenizer, tasks, args.limit, dtype)
     for spec in args.methods.split(","):
         method, settings = parse_method(spec)
         model = copy.deepcopy(loaded.model)

@@ -630,35 +630,43 @@ def render_refit(parts: list[dict]) -> str:
 
 def render_accuracy(parts: list[dict]) -> str:
     """Issue #16: every method's harness accuracy and relative performance (accuracy over the
-    original's, averaged over the tasks), one table per model and budget, with its compress cost."""
-    lines = []
+    original's, averaged over the tasks), one table per model, budget and harness setting, rows from
+    every run of it (a run that took its original from another, ``--original-from``, joins that table)."""
+    groups: dict[tuple, list[dict]] = {}
     for results in parts:
-        tasks = results["tasks"]
-        original = results["original"]["accuracy"]
+        key = (results["model"], results["blocks"], tuple(results["tasks"]), results["limit"],
+               results.get("eval_dtype", "bfloat16"))
+        groups.setdefault(key, []).append(results)
+    lines = []
+    for (model, blocks, tasks, limit, dtype), runs in groups.items():
+        original = runs[0]["original"]["accuracy"]
 
         def accuracies(accuracy: dict) -> list[float]:
             return [accuracy[task]["metrics"]["acc"] for task in tasks]
 
-        calibration = results["calibration"]
-        lines += [f"#### {results['model']}, {results['blocks']} blocks removed", "",
-                  f"Harness accuracy (`acc`, 0-shot, the first {results['limit']} examples of each task, a "
-                  f"{results.get('eval_dtype', 'bfloat16')} copy of each model). RP: relative performance, each "
-                  "task's accuracy over the original's, averaged over the tasks, ± its standard error. Calibration "
-                  f"{calibration.get('source')} ({calibration.get('sequences')} x {calibration.get('sequence_length')} "
-                  "tokens; SLEB: its own smaller set, see the row's JSON); block forwards in passes of each method's "
-                  "calibration set.", "",
+        if any(accuracies(results["original"]["accuracy"]) != accuracies(original) for results in runs):
+            raise ValueError(f"the runs of {model} at {blocks} blocks measured different originals; their rows "
+                             "cannot share one table")
+        calibration = runs[0]["calibration"]
+        lines += [f"#### {model}, {blocks} blocks removed", "",
+                  f"Harness accuracy (`acc`, 0-shot, the first {limit} examples of each task, a {dtype} copy of each "
+                  "model). RP: relative performance, each task's accuracy over the original's, averaged over the "
+                  f"tasks, ± its standard error. Calibration {calibration.get('source')} ({calibration.get('sequences')}"
+                  f" x {calibration.get('sequence_length')} tokens; SLEB: its own smaller set, see the row's JSON); "
+                  "block forwards in passes of each method's calibration set.", "",
                   "| method | removed blocks | " + " | ".join(tasks) + " | mean accuracy | RP | block forwards | parameters |",
                   "|---|---|" + "---|" * len(tasks) + "---|---|---|---|",
                   "| original | - | " + " | ".join(f"{value:.3f}" for value in accuracies(original))
                   + f" | {sum(accuracies(original)) / len(tasks):.3f} | 1 | - | "
-                  f"{results['original']['parameters'] / 1e6:.1f} M |"]
-        for row in results["rows"]:
-            values, rp = accuracies(row["accuracy"]), row["relative_performance"]["average"]
-            lines.append(f"| {_method_label(row)} | {_span(row['removed_blocks'])} | "
-                         + " | ".join(f"{value:.3f}" for value in values)
-                         + f" | {sum(values) / len(tasks):.3f} | {rp['rp']:.3f} ± {rp['stderr']:.3f}"
-                         + f" | {row['forward_passes']:.2f} | {row['parameters'] / 1e6:.1f} M |")
-        lines += ["", *_footer([results]), ""]
+                  f"{runs[0]['original']['parameters'] / 1e6:.1f} M |"]
+        for results in runs:
+            for row in results["rows"]:
+                values, rp = accuracies(row["accuracy"]), row["relative_performance"]["average"]
+                lines.append(f"| {_method_label(row)} | {_span(row['removed_blocks'])} | "
+                             + " | ".join(f"{value:.3f}" for value in values)
+                             + f" | {sum(values) / len(tasks):.3f} | {rp['rp']:.3f} ± {rp['stderr']:.3f}"
+                             + f" | {row['forward_passes']:.2f} | {row['parameters'] / 1e6:.1f} M |")
+        lines += ["", *_footer(runs), ""]
     return "\n".join(lines).rstrip()
 
 
@@ -708,7 +716,8 @@ SECTIONS: dict[str, tuple[str | tuple[str, ...], Callable]] = {
     "scale-out": ("scale_out.json", render_scale_out),
     "serving": (("serving.json", "serving_gemma.json"), render_serving),
     "quantized-input": ("quantized_input.json", render_quantized_input),
-    "new-methods": (("new_methods.json", "new_methods_part2.json", "new_methods_part3.json", "new_methods_gemma_4.json"),
+    "new-methods": (("new_methods.json", "new_methods_part2.json", "new_methods_part3.json", "new_methods_gemma_4.json",
+                     "new_methods_gemma_4_part2.json"),
                     render_new_methods),
     "selection": (("selection_smollm2_c4.json",), render_selection),
     "accuracy": (("new_methods_accuracy.json",), render_accuracy),

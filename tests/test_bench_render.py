@@ -202,6 +202,26 @@ def test_accuracy_section_gives_each_methods_accuracy_relative_performance_and_c
     assert "first 500 examples" in text and "#### m, 3 blocks removed" in text and "abcdef123456" in text
 
 
+
+def test_accuracy_runs_of_one_setting_share_a_table_and_must_share_their_original(render):
+    def results(method: str, original_piqa: float) -> dict:
+        accuracy = {"piqa": {"metrics": {"acc": 0.5}}}
+        row = {"method": method, "recipe": {}, "removed_blocks": [3], "forward_passes": 1.0, "parameters": 90e6,
+               "accuracy": accuracy, "relative_performance": {"average": {"rp": 0.5 / original_piqa, "stderr": 0.0}}}
+        return {"provenance": PROVENANCE, "model": "m", "blocks": 1, "calibration": {}, "tasks": ["piqa"],
+                "limit": 500, "eval_dtype": "float32",
+                "original": {"parameters": 100e6, "accuracy": {"piqa": {"metrics": {"acc": original_piqa}}}},
+                "rows": [row]}
+
+    text = render.render_accuracy([results("uidl", 0.6), results("sleb", 0.6)])
+    assert text.count("| original |") == 1 and text.count("####") == 1
+    assert text.index("| uidl |") < text.index("| sleb |")
+    assert text.count("abcdef123456") == 2  # one provenance line per run
+    with pytest.raises(ValueError, match="different originals"):
+        render.render_accuracy([results("uidl", 0.6), results("sleb", 0.7)])
+    other_limit = results("sleb", 0.7) | {"limit": 100}
+    assert render.render_accuracy([results("uidl", 0.6), other_limit]).count("| original |") == 2
+
 def test_vision_section_gives_each_methods_agreement_and_knn_accuracy(render):
     row = {"method": "uidl", "blocks": 2, "removed_blocks": [6, 7], "parameters": 73.5e6, "recipe": {"settings": {}},
            "agreement": {"cosine_mean": 0.9699176, "cosine_min": 0.9669537, "images": 300}, "knn_accuracy": 0.4933}
