@@ -26,6 +26,7 @@ from pathlib import Path
 import blockfold
 from blockfold.api import as_handle, provenance
 from blockfold.data import build_calibration
+from blockfold.errors import BlockfoldError
 from blockfold.estimate import fit_span_map
 from blockfold.eval import perplexity, tokenize_windows
 from blockfold.methods import Job, PassCache
@@ -86,8 +87,13 @@ def map_study(loaded, blocks: int, calibration, texts: dict, candidates: dict[st
     on sandwich blocks each row records the fold it got."""
     cache, rows = PassCache(), []
     for name, settings in candidates.items():
-        result = blockfold.compress(as_handle(copy.deepcopy(loaded.model), loaded.tokenizer, None),
-                                    recipe=Recipe(blocks=blocks, **settings), calibration=calibration, cache=cache)
+        try:
+            result = blockfold.compress(as_handle(copy.deepcopy(loaded.model), loaded.tokenizer, None),
+                                        recipe=Recipe(blocks=blocks, **settings), calibration=calibration, cache=cache)
+        except BlockfoldError as error:  # a candidate that cannot be built on this span is a finding, not a crash
+            rows.append({"candidate": name, "refused": str(error)})
+            print(json.dumps(rows[-1]), flush=True)
+            continue
         row = {"candidate": name, "layers": result.manifest["removed_blocks"],
                "recipe": result.recipe.model_dump(mode="json"), "perplexity": measure(result.model, texts, f"map {name}")}
         if "regime" in result.manifest["transform"]:
@@ -149,10 +155,10 @@ def nbl_study(loaded, layers: int, calibration, texts: dict) -> dict:
 
 def verdict(study: dict) -> dict:
     """Per text: the best candidate, and the default's perplexity over the best's."""
-    out = {}
-    for text in study["rows"][0]["perplexity"]:
-        best = min(study["rows"], key=lambda row: row["perplexity"][text])
-        default = next(row for row in study["rows"] if row["candidate"] == study["default"])
+    out, measured = {}, [row for row in study["rows"] if "perplexity" in row]  # refused candidates have none
+    for text in measured[0]["perplexity"]:
+        best = min(measured, key=lambda row: row["perplexity"][text])
+        default = next(row for row in measured if row["candidate"] == study["default"])
         out[text] = {"best": best["candidate"], "default_over_best": default["perplexity"][text] / best["perplexity"][text]}
     return out
 

@@ -246,7 +246,8 @@ def render_defaults(parts: list[dict]) -> str:
             texts = list(result["original"])
             # candidates that built the same model (the same span or layers) share a row; maps never do
             groups: dict[tuple[str, str], list[dict]] = {}
-            for row in study["rows"]:
+            measured = [row for row in study["rows"] if "perplexity" in row]  # a refused candidate has none
+            for row in measured:
                 if "layers" in row:
                     placed = _span(row["layers"])
                 elif "blocks" in study:
@@ -254,13 +255,13 @@ def render_defaults(parts: list[dict]) -> str:
                 else:
                     placed = f"from block {row['start']}"
                 groups.setdefault((placed, row["candidate"] if key in ("estimator", "fold") else ""), []).append(row)
-            first = study["rows"][0]
+            first = measured[0]
             budget = study["blocks"] if "blocks" in study else len(first["layers"])
             removed = "attention layers" if key == "nbl" else "blocks"
             lines += [f"### {model.split(':')[0]}, {budget} {removed}: {title} (default `{study['default']}`)", "",
                       f"| candidates | {what} | " + " | ".join(texts) + " |", "|---|---|" + "---|" * len(texts),
                       "| original | - | " + " | ".join(f"{result['original'][t]:.2f}" for t in texts) + " |"]
-            best = {t: min(row["perplexity"][t] for row in study["rows"]) for t in texts}
+            best = {t: min(row["perplexity"][t] for row in measured) for t in texts}
             for (placed, _), rows in groups.items():
                 names = ", ".join((f"**{r['candidate']}** (default)" if r["candidate"] == study["default"] else r["candidate"])
                                   + (f" ({r['regime']})" if r.get("regime") and r["regime"] != r["candidate"] else "")
@@ -268,6 +269,8 @@ def render_defaults(parts: list[dict]) -> str:
                 cells = [f"**{rows[0]['perplexity'][t]:.2f}**" if rows[0]["perplexity"][t] == best[t]
                          else f"{rows[0]['perplexity'][t]:.2f}" for t in texts]
                 lines.append(f"| {names} | {placed} | " + " | ".join(cells) + " |")
+            lines += [f"| {row['candidate']} | - | refused: {row['refused']} |" + " |" * (len(texts) - 1)
+                      for row in study["rows"] if "refused" in row]
             lines.append("| default / best | - | " + " | ".join(
                 f"{study['verdict'][t]['default_over_best']:.3f}" for t in texts) + " |")
             lines.append("")

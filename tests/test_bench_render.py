@@ -107,6 +107,16 @@ def test_defaults_table_keeps_two_budgets_of_one_model_apart(render):
     assert "### m, 2 blocks: ReplaceMe's span criterion" in table and "### m, 4 blocks: ReplaceMe's span criterion" in table
     assert "| **a** (default) | 1-2 | **11.00** |" in table and "| **a** (default) | 1-4 | **44.00** |" in table
 
+
+def test_defaults_table_lists_a_refused_candidate_with_its_reason_outside_the_best(render):
+    texts = {"chosen on": 50.0, "held out": 40.0}
+    study = {"default": "auto", "rows": [{"candidate": "auto", "layers": [5, 6], "perplexity": texts},
+                                         {"candidate": "through-norm", "refused": "the fit is not finite"}],
+             "verdict": {t: {"default_over_best": 1.0} for t in texts}}
+    table = render.render_defaults([{"provenance": PROVENANCE, "models": {"m": {"original": texts, "fold": study}}}])
+    assert "| **auto** (default) | 5-6 | **50.00** | **40.00** |" in table
+    assert "| through-norm | - | refused: the fit is not finite | |" in table
+
 def test_gemma_section_takes_the_placement_study_from_a_separate_run(render):
     main = {"removed_blocks": [7, 8, 9, 10], "selection": {"criterion": "fit_error_stream", "scored_map": "post-norm lstsq"},
             "auto_regime": "through-norm", "perplexity": {"original": 62.06, "folded: through-norm": 188.92},
@@ -245,3 +255,15 @@ def test_gemma_perplexities_measured_on_windows_without_bos_carry_a_note(render)
     assert "without BOS" in render.windows_warning(undated)
     assert render.windows_warning([fresh, smollm2]) is None
     assert render.windows_warning({**fresh, "rows": [{"provenance": PROVENANCE}]}) is not None, "an older row inside"
+
+
+def test_defaults_verdict_compares_only_the_candidates_that_were_built():
+    """bench/defaults_validation.py records a candidate compress refused (a fold that is not finite on
+    the span) as a row with its reason; the default-over-best verdict is taken over the others."""
+    spec = importlib.util.spec_from_file_location("bench_defaults", ROOT / "bench" / "defaults_validation.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    study = {"default": "auto", "rows": [{"candidate": "auto", "perplexity": {"t": 60.0}},
+                                         {"candidate": "through-norm", "refused": "not finite"},
+                                         {"candidate": "other", "perplexity": {"t": 50.0}}]}
+    assert module.verdict(study) == {"t": {"best": "other", "default_over_best": 1.2}}
