@@ -737,9 +737,8 @@ SECTIONS: dict[str, tuple[str | tuple[str, ...], Callable]] = {
     "nbl-gemma": (("nbl_gemma.json",), render_nbl),
     "replaceme-quality": ("replaceme_quality.json", render_replaceme_quality),
     "cosine": ("cosine_vs_lstsq.json", render_cosine),
-    "defaults": (("defaults_validation.json", "defaults_validation_estimators.json", "defaults_validation_gemma.json",
-                  "defaults_validation_gemma_fold.json", "defaults_validation_budgets.json",
-                  "defaults_validation_gemma_budget.json"),
+    "defaults": (("defaults_validation.json", "defaults_validation_estimators.json", "defaults_validation_gemma_bos.json",
+                  "defaults_validation_budgets.json", "defaults_validation_gemma_budget_bos.json"),
                  render_defaults),
 }
 
