@@ -206,8 +206,9 @@ class NBL(AttentionBudget):
     writes_standard_checkpoint: ClassVar[bool] = False
     # auto (recipe version 6) ranks by nmse where attention's output passes a norm before the residual
     # add (Gemma's sandwich blocks) and by cosine (DROP's ranking) elsewhere: on held-out text cosine
-    # was best on SmolLM2-135M at 4, 8 and 12 layers and nmse on Gemma-3-270m at 4 and 6, where cosine
-    # was 1.1-2.2x worse (BENCHMARKS.md "Defaults on held-out data"); cca is the NBL paper's
+    # was best on SmolLM2-135M at 4, 8 and 12 layers and loses on Gemma-3-270m, where nmse is within
+    # 1.00-1.21x of the best ranking (cca and stream compete; one sandwich model cannot decide between
+    # them). BENCHMARKS.md "Defaults on data they were not chosen on". cca is the NBL paper's ranking.
     linearity_criterion: LinearityCriterion | Literal["auto"] = "auto"
     greedy: bool = False  # recompute the statistics after each replacement (k passes)
     ridge_alpha: float = Field(0.0, ge=0)
