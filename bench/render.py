@@ -723,7 +723,7 @@ SECTIONS: dict[str, tuple[str | tuple[str, ...], Callable]] = {
                      "new_methods_gemma_4_part2.json"),
                     render_new_methods),
     "selection": (("selection_smollm2_c4.json",), render_selection),
-    "accuracy": (("new_methods_accuracy.json",), render_accuracy),
+    "accuracy": (("new_methods_accuracy.json", "new_methods_accuracy_part2.json"), render_accuracy),
     "vision": ("vision.json", render_vision),
     "refit": (("new_methods_part2.json", "refit_study_part1.json", "refit_study_part2.json", "refit_study_part3.json",
                "refit_validation_4.json", "refit_validation_12.json", "refit_validation_12_plain.json"),
