@@ -67,15 +67,19 @@ def evaluation_dtype(name: str, device: str) -> torch.dtype:
     return getattr(torch, name)
 
 
-def earlier_original(path: str, model: str, tasks: list[str], limit: int, dtype: torch.dtype) -> dict:
+def earlier_original(path: str, model: str, tasks: list[str], limit: int, dtype_name: str) -> dict:
     """The original's harness accuracy from an earlier run of the same model, tasks, limit and dtype, so
     a run that adds rows to a table does not spend a quarter of an hour re-measuring the same model."""
+    if not tasks:
+        raise SystemExit(f"--original-from {path} takes the original's harness accuracy: give --tasks too")
     try:
         earlier = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as error:
-        raise SystemExit(f"--original-from {path}: cannot read it as a results JSON ({error}); give a file a "
-                         "run of this bench wrote with --tasks")
-    wanted = {"model": model, "tasks": tasks, "limit": limit, "eval_dtype": str(dtype).removeprefix("torch.")}
+        earlier = error
+    if not isinstance(earlier, dict):
+        raise SystemExit(f"--original-from {path}: not a results JSON ({earlier}); give a file a run of this "
+                         "bench wrote with --tasks")
+    wanted = {"model": model, "tasks": tasks, "limit": limit, "eval_dtype": dtype_name}
     found = {key: earlier.get(key) for key in wanted}
     if found != wanted or "accuracy" not in earlier.get("original", {}):
         raise SystemExit(f"--original-from {path}: it measured {found}, this run measures {wanted}; give a run of the "
@@ -119,7 +123,8 @@ def main() -> None:
     args = parser.parse_args()
     tasks = [task for task in args.tasks.split(",") if task]
     dtype = evaluation_dtype(args.eval_dtype, args.device)
-    earlier = earlier_original(args.original_from, args.model, tasks, args.limit, dtype) if args.original_from else None
+    dtype_name = str(dtype).removeprefix("torch.")
+    earlier = earlier_original(args.original_from, args.model, tasks, args.limit, dtype_name) if args.original_from else None
     results = {"provenance": provenance(["bench/new_methods.py", *sys.argv[1:]]), "model": args.model,
                "blocks": args.blocks, "rows": []}
     loaded = blockfold.load_model(args.model, device=args.device)
@@ -141,7 +146,7 @@ def main() -> None:
     if not args.no_perplexity:
         results["original"]["perplexity"] = measure(loaded.model, texts, "original")
     if tasks:
-        results["tasks"], results["limit"], results["eval_dtype"] = tasks, args.limit, str(dtype).removeprefix("torch.")
+        results["tasks"], results["limit"], results["eval_dtype"] = tasks, args.limit, dtype_name
         if earlier is not None:
             results["original"]["accuracy"], results["original_from"] = earlier, args.original_from
         else:

@@ -117,6 +117,7 @@ def test_defaults_table_lists_a_refused_candidate_with_its_reason_outside_the_be
     assert "| **auto** (default) | 5-6 | **50.00** | **40.00** |" in table
     assert "| through-norm | - | refused: the fit is not finite | |" in table
 
+
 def test_gemma_section_takes_the_placement_study_from_a_separate_run(render):
     main = {"removed_blocks": [7, 8, 9, 10], "selection": {"criterion": "fit_error_stream", "scored_map": "post-norm lstsq"},
             "auto_regime": "through-norm", "perplexity": {"original": 62.06, "folded: through-norm": 188.92},
@@ -212,7 +213,6 @@ def test_accuracy_section_gives_each_methods_accuracy_relative_performance_and_c
     assert "first 500 examples" in text and "#### m, 3 blocks removed" in text and "abcdef123456" in text
 
 
-
 def test_accuracy_runs_of_one_setting_share_a_table_and_must_share_their_original(render):
     def results(method: str, original_piqa: float) -> dict:
         accuracy = {"piqa": {"metrics": {"acc": 0.5}}}
@@ -231,6 +231,7 @@ def test_accuracy_runs_of_one_setting_share_a_table_and_must_share_their_origina
         render.render_accuracy([results("uidl", 0.6), results("sleb", 0.7)])
     other_limit = results("sleb", 0.7) | {"limit": 100}
     assert render.render_accuracy([results("uidl", 0.6), other_limit]).count("| original |") == 2
+
 
 def test_vision_section_gives_each_methods_agreement_and_knn_accuracy(render):
     row = {"method": "uidl", "blocks": 2, "removed_blocks": [6, 7], "parameters": 73.5e6, "recipe": {"settings": {}},
