@@ -147,6 +147,31 @@ def test_generation_with_a_kv_cache_through_a_replaced_first_layer_equals_genera
     assert torch.equal(cached, uncached)
 
 
+@pytest.mark.parametrize("replacement", ["linear", "zero"])
+def test_a_hand_written_decode_loop_through_a_replaced_first_layer_equals_a_forward_without_cache(arch, replacement):
+    """``generate`` hands the model its positions; a caller's own loop over ``model(token,
+    past_key_values=cache)`` lets the model read them from the cache's slot 0, which a replaced layer 0
+    emptied (transformers 5.25 raised there)."""
+    from transformers import DynamicCache
+
+    from blockfold.surgery import replace_sublayers
+
+    model = tiny_model(arch)
+    handle = handle_of(model, tiny_tokenizer())
+    entries = [handle.adapter.attention_replacement(index, replacement) for index in (0, 3)]
+    generator = torch.Generator().manual_seed(6)
+    maps = {index: (torch.eye(32) + 0.1 * torch.randn(32, 32, generator=generator), torch.zeros(32)) for index in (0, 3)}
+    replace_sublayers(handle, entries, maps if replacement == "linear" else None)
+    ids = IDS[:1]
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        stepwise = [model(ids[:, :12], past_key_values=cache, use_cache=True).logits]
+        for position in range(12, ids.shape[1]):
+            stepwise.append(model(ids[:, position:position + 1], past_key_values=cache, use_cache=True).logits)
+    assert cache.get_seq_length() == ids.shape[1]
+    torch.testing.assert_close(torch.cat(stepwise, dim=1), _logits(model, ids), rtol=1e-4, atol=1e-4)
+
+
 def test_drop_attention_drops_the_attention_layers_that_do_nothing(tokenizer):
     model = tiny_model("llama")
     with torch.no_grad():

@@ -70,12 +70,32 @@ def _cache_of(past_key_values, kwargs: dict):
     return None
 
 
+if DummyLayer is not None:
+    class StatelessCacheSlot(DummyLayer):
+        """The cache slot of a replaced sublayer: stores nothing, yet answers the cache's length.
+
+        Models read the length of the whole cache from slot 0 (``cache.get_seq_length()``), and a plain
+        ``DummyLayer`` has no length to give (transformers >= 5.25 raises), so this slot reports the
+        length of the first slot that does store keys.
+        """
+
+        def __init__(self, cache):
+            super().__init__()
+            self.cache = cache  # a plain reference: a deep copy of the cache must point at the copy
+
+        def get_seq_length(self) -> int:
+            for layer in self.cache.layers:
+                if not isinstance(layer, DummyLayer):
+                    return layer.get_seq_length()
+            return 0
+
+
 def _release_cache_layer(cache, layer_idx: int) -> None:
-    """Swap this layer's cache slot for one that stores nothing (transformers' ``DummyLayer``).
+    """Swap this layer's cache slot for one that stores nothing (a ``StatelessCacheSlot``).
 
     ``DynamicCache`` creates a slot per layer from the config; a slot that is never written costs no
-    memory, but the cache's sequence length is read from slot 0, so an unused slot must be a
-    ``DummyLayer``, which the cache knows to skip. Done on the first call, before anything is cached.
+    memory, but it would still be counted by the cache's own bookkeeping (masks, offloading, length),
+    which skips ``DummyLayer`` slots. Done on the first call, before anything is cached.
     """
     if cache is None:
         return
@@ -84,7 +104,7 @@ def _release_cache_layer(cache, layer_idx: int) -> None:
         raise RuntimeError("generating with a KV cache through this checkpoint's linearized layers needs "
                            "transformers >= 5.20 (cache_utils.DummyLayer): upgrade transformers")
     if isinstance(layers, list) and layer_idx < len(layers) and not isinstance(layers[layer_idx], DummyLayer):
-        layers[layer_idx] = DummyLayer()
+        layers[layer_idx] = StatelessCacheSlot(cache)
 
 
 class LinearAttention(nn.Module):
