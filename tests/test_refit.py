@@ -18,8 +18,9 @@ from blockfold.errors import BlockfoldError
 from blockfold.recipe import Recipe
 
 
+@pytest.mark.parametrize("refit", ["down", "attn+down"])
 @pytest.mark.parametrize("arch", ["llama", "gpt_neox"])
-def test_a_span_that_does_nothing_leaves_every_weight_as_it_was(arch):
+def test_a_span_that_does_nothing_leaves_every_weight_as_it_was(arch, refit):
     """The targets are the original stream: if they were taken one block off, or from the compressed
     stream's own blocks, the refit would move weights here."""
     model = tiny_model(arch)
@@ -35,13 +36,16 @@ def test_a_span_that_does_nothing_leaves_every_weight_as_it_was(arch):
     ids = torch.randint(4, 96, (2, 16))
     with torch.no_grad():
         expected = model(ids).logits
-    result = blockfold.compress(model, tiny_tokenizer(), blockfold.ReplaceMe(blocks=2, span_start=2, refit="down",
+    result = blockfold.compress(model, tiny_tokenizer(), blockfold.ReplaceMe(blocks=2, span_start=2, refit=refit,
                                                                              refit_blocks=10, refit_ridge=0.0),
                                 calibration=random_calibration())
     assert result.manifest["removed_blocks"] == [2, 3]
     blocks = result.manifest["refit"]["blocks"]
     assert [entry["block"] for entry in blocks] == [1, 2, 3]  # from the block before the span to the last
     assert all(entry["relative_error_before"] < 1e-9 for entry in blocks)
+    if refit == "attn+down":
+        assert "attention" not in blocks[0]  # it reads the original stream
+        assert all(entry["attention"]["relative_error_before"] < 1e-9 for entry in blocks[1:])
     with torch.no_grad():
         assert (model(ids).logits - expected).abs().max() < 1e-4
 
@@ -52,35 +56,44 @@ def _output_error(model, original, calibration) -> float:
     return float(sum(errors) / len(errors))
 
 
+@pytest.mark.parametrize("refit", ["down", "attn+down"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "phi"])
-def test_the_refit_lowers_the_error_of_every_block_and_of_the_output(arch):
+def test_the_refit_lowers_the_error_of_every_block_and_of_the_output(arch, refit):
     calibration = random_calibration(num_sequences=16, length=32)
     original = tiny_model(arch)
     plain, refitted = tiny_model(arch), tiny_model(arch)
     blockfold.compress(plain, tiny_tokenizer(), blockfold.ReplaceMe(blocks=2, span_start=2, refit="none"),
                        calibration=calibration)
-    result = blockfold.compress(refitted, tiny_tokenizer(), blockfold.ReplaceMe(blocks=2, span_start=2, refit="down",
+    result = blockfold.compress(refitted, tiny_tokenizer(), blockfold.ReplaceMe(blocks=2, span_start=2, refit=refit,
                                                                                 refit_blocks=10),
                                 calibration=calibration)
     assert len(result.manifest["refit"]["blocks"]) == 3
     for entry in result.manifest["refit"]["blocks"]:
         assert entry["relative_error_after"] < entry["relative_error_before"], entry
         assert entry["tokens"] == 16 * 32
+        if refit == "attn+down" and entry["block"] > 1:
+            assert entry["attention"]["relative_error_after"] < entry["attention"]["relative_error_before"], entry
     assert _output_error(refitted, original, calibration) < 0.8 * _output_error(plain, original, calibration)
     assert sum(p.numel() for p in refitted.parameters()) == sum(p.numel() for p in plain.parameters())
 
 
-def test_refit_blocks_limits_the_refit_and_the_rest_stays_plain_replaceme():
+@pytest.mark.parametrize("refit, blocks, expected", [
+    ("down", 1, {"model.layers.1.mlp.down_proj.weight"}),
+    ("attn+down", 2, {"model.layers.1.mlp.down_proj.weight", "model.layers.2.mlp.down_proj.weight",
+                      "model.layers.2.self_attn.o_proj.weight"}),
+])
+def test_refit_blocks_limits_the_refit_and_the_rest_stays_plain_replaceme(refit, blocks, expected):
+    """The block before the span reads the original stream, so its attention is left alone."""
     calibration = random_calibration()
     plain, limited = tiny_model("llama"), tiny_model("llama")
     blockfold.compress(plain, tiny_tokenizer(), blockfold.ReplaceMe(blocks=2, span_start=2, refit="none"),
                        calibration=calibration)
-    result = blockfold.compress(limited, tiny_tokenizer(), blockfold.ReplaceMe(blocks=2, span_start=2, refit="down",
-                                                                               refit_blocks=1), calibration=calibration)
-    assert [entry["block"] for entry in result.manifest["refit"]["blocks"]] == [1]
+    result = blockfold.compress(limited, tiny_tokenizer(), blockfold.ReplaceMe(blocks=2, span_start=2, refit=refit,
+                                                                               refit_blocks=blocks), calibration=calibration)
+    assert [entry["block"] for entry in result.manifest["refit"]["blocks"]] == list(range(1, 1 + blocks))
     changed = {name for (name, a), (_, b) in zip(plain.state_dict().items(), limited.state_dict().items())
                if not torch.equal(a, b)}
-    assert changed == {"model.layers.1.mlp.down_proj.weight"}
+    assert changed == expected
 
 
 def test_several_spans_take_each_span_end_as_the_target():
@@ -99,13 +112,14 @@ def test_several_spans_take_each_span_end_as_the_target():
         assert (model(ids).logits - expected).abs().max() < 1e-4
 
 
+@pytest.mark.parametrize("refit", ["down", "attn+down"])
 @pytest.mark.parametrize("arch, reason", [("gemma3_text", "a norm after the MLP output"), ("mixtral", "mixture of experts")])
-def test_blocks_it_cannot_refit_exactly_are_named_and_left_as_they_are(arch, reason):
+def test_blocks_it_cannot_refit_exactly_are_named_and_left_as_they_are(arch, reason, refit):
     plain, refitted = tiny_model(arch), tiny_model(arch)
     calibration = random_calibration()
     blockfold.compress(plain, tiny_tokenizer(), blockfold.ReplaceMe(blocks=2, span_start=2, refit="none"),
                        calibration=calibration)
-    result = blockfold.compress(refitted, tiny_tokenizer(), blockfold.ReplaceMe(blocks=2, span_start=2, refit="down"),
+    result = blockfold.compress(refitted, tiny_tokenizer(), blockfold.ReplaceMe(blocks=2, span_start=2, refit=refit),
                                 calibration=calibration)
     assert result.manifest["refit"]["skipped"] == reason and result.manifest["refit"]["blocks"] == []
     for (name, a), (_, b) in zip(plain.state_dict().items(), refitted.state_dict().items()):

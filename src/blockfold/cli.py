@@ -153,8 +153,8 @@ def _add_compress(sub) -> None:
     p.add_argument("--train-lr", type=float, help="streamline: learning rate of that training (default 1e-4)")
     p.add_argument("--refit", choices=_choices("refit"),
                    help="replaceme: after the surgery, refit the down-projections from the block before each span "
-                        "onward to the original stream, layer by layer in closed form (down, the default); none: "
-                        "plain ReplaceMe")
+                        "onward to the original stream, layer by layer in closed form (down, the default); attn+down: "
+                        "each block's attention output projection first, then its down-projection; none: plain ReplaceMe")
     p.add_argument("--refit-blocks", type=int, help="replaceme --refit: how many blocks per span, from the one before it "
                                                     "(default 2)")
     p.add_argument("--refit-ridge", type=float, help="replaceme --refit: ridge toward the current weights, relative "

@@ -150,8 +150,10 @@ class ReplaceMe(SpanSelection):
     # depth (methods/refit.py): down (recipe version 8's default with the lstsq map; none with greedy and
     # with the other estimators, whose constraint a refit would undo) or none, plain ReplaceMe. On SmolLM2-135M at 8 of 30 blocks (issue-2 calibration)
     # refitting 2 blocks per span took WikiText-2 perplexity 102.6 -> 95.0 and held-out text 8-10 %
-    # lower; refitting every later block was worse than none on WikiText-2 (BENCHMARKS.md "Downstream refit")
-    refit: Literal["none", "down"] | None = None
+    # lower; refitting every later block was worse than none on WikiText-2 (BENCHMARKS.md "Downstream refit").
+    # attn+down refits each block's attention output projection first (to the original stream after
+    # the attention half), then its down-projection
+    refit: Literal["none", "down", "attn+down"] | None = None
     # how many blocks per span, from the one before it (default 2; a number past the last block refits all)
     refit_blocks: int | None = Field(None, ge=1)
     # ridge toward the current weight, relative to the mean of diag(aᵀa) of the projection's inputs

@@ -22,13 +22,21 @@ layer-by-layer pass runs the original stream and the compressed one side by side
 blocks, refitting as it goes. Every process runs its share of the calibration sequences, and the
 sums of each layer are reduced across processes before it is solved, so all end with the same weights.
 
+With ``refit="attn+down"`` each refitted block's attention output projection is refitted first, by
+the same least squares, so that the stream after the attention half (its input plus what attention
+adds) matches the original model's at that point; the down-projection is then refitted with the new
+attention weights in place (not in the block before the first span, which reads the original
+stream). Still no parameter added.
+
 A block whose MLP output passes a norm before the residual add (Gemma's sandwich blocks) or is a
 mixture of experts is run but not refitted (the least squares above needs the projection's output
-added to the stream as it is); the manifest lists such blocks.
+added to the stream as it is); the manifest lists such blocks. For the same reason an attention
+output that passes a norm (or an attention already replaced by a map) is left as it is.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 
@@ -37,6 +45,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from blockfold import distributed
+from blockfold.errors import BlockfoldError
 from blockfold.estimate.lstsq import solve_normal_equations
 from blockfold.methods.base import Job
 from blockfold.pipelines import LayerProgram
@@ -59,8 +68,9 @@ class DownstreamRefit:
     ``blocks``: how many blocks to refit at each span, from the one before it.
     """
 
-    def __init__(self, job: Job, spans: list[RemovedSpan], blocks: int, ridge: float, weighting: str = "none"):
-        self.job, self.blocks, self.ridge, self.weighting = job, blocks, ridge, weighting
+    def __init__(self, job: Job, spans: list[RemovedSpan], blocks: int, ridge: float, weighting: str = "none",
+                 attention: bool = False):
+        self.job, self.blocks, self.ridge, self.weighting, self.attention = job, blocks, ridge, weighting, attention
         self.spans = sorted(spans, key=lambda span: span.start)
         self.batches, _ = distributed.shard(list(job.calibration), distributed.current())
         self.store: ActivationStore | None = None
@@ -107,8 +117,9 @@ class DownstreamRefit:
     def apply(self) -> dict:
         """Refit on the compressed model (the spans removed); returns what was done, per block."""
         job, store = self.job, self.store
+        projection = "attention output + down_proj" if self.attention else "down_proj"
         if self.inapplicable is not None:
-            return {"projection": "down_proj", "skipped": self.inapplicable, "blocks": []}
+            return {"projection": projection, "skipped": self.inapplicable, "blocks": []}
         removed_before, gap_blocks = 0, {}
         for number, span in enumerate(self.spans):  # compressed index of the block before each span
             gap_blocks[span.start - 1 - removed_before] = number
@@ -122,17 +133,32 @@ class DownstreamRefit:
             store.put(f"original:{number}", store.get(f"input:{number}"))
         report = []
         show = distributed.current().is_main
-        for index in tqdm(range(first, last + 1), desc="refit: down-projections", unit="layer", disable=not show):
+        for index in tqdm(range(first, last + 1), desc="refit: output projections", unit="layer", disable=not show):
             with program.layer(index) as (block, run):
-                for number in range(len(self.batches)):  # the original stream through this block as it was
-                    target = (store.get(f"after{gap_blocks[index]}:{number}") if index in gap_blocks
-                              else run(store.get(f"original:{number}"), number))
-                    store.put(f"original:{number}", target)
                 reason = self._not_refittable(block) if index in refitted_layers else None
+                # the first block reads the original stream: its attention has nothing to correct
+                attention = (self._attention_projection(block)
+                             if self.attention and index in refitted_layers and reason is None and index != first else None)
+                for number in range(len(self.batches)):  # the original stream through this block as it was
+                    source = store.get(f"original:{number}")
+                    if isinstance(attention, nn.Linear):  # and the original stream after its attention half
+                        with _captured(attention) as captured:
+                            output = run(source, number)
+                        store.put(f"middle:{number}", source + captured["output"])
+                    elif index not in gap_blocks:
+                        output = run(source, number)
+                    store.put(f"original:{number}", store.get(f"after{gap_blocks[index]}:{number}")
+                              if index in gap_blocks else output)
                 if reason is not None:
                     report.append({"block": index, "skipped": reason})
                 elif index in refitted_layers:
-                    report.append({"block": index, **self._refit_block(program, block, run)})
+                    entry = {"block": index}
+                    if isinstance(attention, nn.Linear):
+                        entry["attention"] = self._refit_projection(program, attention, run, "middle", True)
+                    elif attention is not None:
+                        entry["attention"] = {"skipped": attention}
+                    report.append({**entry, **self._refit_projection(program, job.adapter.down_proj(block), run,
+                                                                     "original", False)})
                 for number in range(len(self.batches)):
                     program.set_hidden(number, run(program.hidden(number), number))
         job.runner.passes += 1
@@ -141,7 +167,7 @@ class DownstreamRefit:
             logger.info("refitted the down-projections of %d blocks: relative error of their contribution %.4g -> %.4g "
                         "(mean over blocks)", len(refitted), sum(e["relative_error_before"] for e in refitted) / len(refitted),
                         sum(e["relative_error_after"] for e in refitted) / len(refitted))
-        return {"projection": "down_proj", "ridge": self.ridge, "weighting": self.weighting, "blocks": report,
+        return {"projection": projection, "ridge": self.ridge, "weighting": self.weighting, "blocks": report,
                 "note": "block indices are the compressed model's"}
 
     def _not_refittable(self, block: nn.Module) -> str | None:
@@ -152,43 +178,61 @@ class DownstreamRefit:
             return "a norm after the MLP output"
         return None
 
-    def _refit_block(self, program: LayerProgram, block: nn.Module, run) -> dict:
-        """Sums over this process's batches (reduced across processes), the ridge solve toward the
-        current weight, and the new weight written as an edit of the down-projection."""
-        job, store = self.job, self.store
-        down = job.adapter.down_proj(block)
-        captured: dict[str, torch.Tensor] = {}
-
-        def capture(module, args, output):
-            captured["inputs"], captured["output"] = args[0], output
-
-        equations = ProjectionEquations()
-        hook = down.register_forward_hook(capture)
+    def _attention_projection(self, block: nn.Module) -> nn.Linear | str:
+        """The attention output projection to refit, or why there is none."""
+        adapter = self.job.adapter
+        if adapter.post_attention_norm:
+            return "a norm after the attention output"
         try:
-            for number, mask in enumerate(program.masks):
-                output = run(program.hidden(number), number)
-                target = store.get(f"original:{number}")
-                contribution = captured["output"][mask].double()
-                if down.bias is not None:
-                    contribution = contribution - down.bias.double()
-                stream = target[mask].double()
-                wanted = stream - output[mask].double() + contribution
-                weights = None
-                if self.weighting == "stream":  # each token's error relative to the stream it is added to
-                    weights = 1.0 / stream.pow(2).mean(-1).clamp_min(torch.finfo(torch.float64).tiny)
-                equations.add(captured["inputs"][mask], wanted, weights)
-                captured.clear()
-        finally:
-            hook.remove()
+            return adapter.attention_output_projection(block).module
+        except BlockfoldError:
+            return "no attention output projection (a linearized attention)"
+
+    def _refit_projection(self, program: LayerProgram, linear: nn.Linear, run, target: str, middle: bool) -> dict:
+        """Refit ``linear`` so that the stream it writes to reaches the stored original ``target``: the
+        block's output, or with ``middle`` the stream right after the projection's add (the block's input
+        plus its output). Sums over this process's batches, reduced across processes; the ridge solve is
+        toward the current weight and the new weight is written as an edit."""
+        job, store = self.job, self.store
+        equations = ProjectionEquations()
+        for number, mask in enumerate(program.masks):
+            hidden = program.hidden(number)
+            with _captured(linear) as captured:
+                output = run(hidden, number)
+            reached = hidden + captured["output"] if middle else output
+            contribution = captured["output"][mask].double()
+            if linear.bias is not None:
+                contribution = contribution - linear.bias.double()
+            stream = store.get(f"{target}:{number}")[mask].double()
+            wanted = stream - reached[mask].double() + contribution
+            weights = None
+            if self.weighting == "stream":  # each token's error relative to the stream it is added to
+                weights = 1.0 / stream.pow(2).mean(-1).clamp_min(torch.finfo(torch.float64).tiny)
+            equations.add(captured["inputs"][mask], wanted, weights)
         distributed.reduce_observers([equations], distributed.current())
         sums = equations.finalize()
-        current = down.weight.detach().double().T  # (intermediate, hidden)
+        current = linear.weight.detach().double().T  # (in, out)
         ridge = self.ridge * float(sums.xtx.diagonal().mean())
         refitted, _ = solve_normal_equations(sums.xtx, sums.xty + ridge * current, ridge)
         new_weight = refitted.T.to("cpu", job.handle.dtype).contiguous()
-        job.handle.transform(down, "weight", lambda weight: new_weight.to(weight.device, weight.dtype))
+        job.handle.transform(linear, "weight", lambda weight: new_weight.to(weight.device, weight.dtype))
         return {"relative_error_before": sums.relative_residual(current), "relative_error_after": sums.relative_residual(refitted),
                 "tokens": sums.tokens}
+
+
+@contextlib.contextmanager
+def _captured(linear: nn.Linear):
+    """The inputs and output of ``linear`` in the forward run inside the block."""
+    captured: dict[str, torch.Tensor] = {}
+
+    def capture(module, args, output):
+        captured["inputs"], captured["output"] = args[0], output
+
+    hook = linear.register_forward_hook(capture)
+    try:
+        yield captured
+    finally:
+        hook.remove()
 
 
 __all__ = ["DownstreamRefit", "RemovedSpan"]

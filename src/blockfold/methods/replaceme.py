@@ -340,7 +340,8 @@ def compress_replaceme(job: Job) -> dict:
         if settings.refit != "none":  # records the original streams before the surgery
             refit = stack.enter_context(DownstreamRefit(job, [RemovedSpan(c.start, c.length) for c in choices],
                                                         settings.refit_blocks, settings.refit_ridge,
-                                                        settings.refit_weighting))
+                                                        settings.refit_weighting,
+                                                        attention=settings.refit == "attn+down"))
         for choice in choices:  # shallowest first: a later span's map is refitted on the compressed model
             start = choice.start - removed_so_far
             equations = first_pass.get(choice.length, {}).get(choice.start) if removed_so_far == 0 else None
