@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import generate_without_blockfold, random_calibration, tiny_model, tiny_tokenizer
+from conftest import COMMON, generate_without_blockfold, random_calibration, tiny_model, tiny_tokenizer
 from safetensors import safe_open
 from torch import nn
 
 pytest.importorskip("bitsandbytes")
-from transformers import AutoModelForCausalLM, BitsAndBytesConfig  # noqa: E402
+from transformers import AutoModelForCausalLM, BitsAndBytesConfig, LlamaConfig  # noqa: E402
 
 import blockfold  # noqa: E402
 from blockfold.adapters import Projection  # noqa: E402
@@ -32,7 +32,7 @@ def nf4_folder(tmp_path_factory, request) -> Path:
     FP4 with double quantization (its absmax quantized too, so more state tensors travel with each weight)."""
     kind, double = request.param
     root = tmp_path_factory.mktemp(kind)
-    tiny_model("llama").save_pretrained(root / "float")
+    _wide_tiny_llama().save_pretrained(root / "float")
     quantized = AutoModelForCausalLM.from_pretrained(
         root / "float", device_map="cpu",
         quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=kind,
@@ -41,6 +41,20 @@ def nf4_folder(tmp_path_factory, request) -> Path:
     quantized.save_pretrained(root / "nf4")
     tiny_tokenizer().save_pretrained(root / "nf4")
     return root / "nf4"
+
+
+def _wide_tiny_llama():
+    """The tiny llama with every layer's input at least 64 wide, bitsandbytes' quantization block: on a
+    CPU with AVX512-BF16 bitsandbytes repacks each 4-bit weight at its first forward without gradients
+    (generation), and its repacking fails on a narrower input."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**{**COMMON, "hidden_size": 64, "intermediate_size": 128},
+                                                         tie_word_embeddings=False), dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(0.3 * torch.randn_like(param))
+    return model
 
 
 def _tensors(folder: Path) -> dict[str, torch.Tensor]:
@@ -67,6 +81,17 @@ def test_fold_into_a_4bit_projection_is_the_map_after_it(nf4_folder):
     torch.testing.assert_close(down.weight.double(), transform.T @ weight, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(down(inputs).double(), before @ transform, rtol=1e-4, atol=1e-4)
     assert is_quantized_linear(handle.adapter.down_proj(handle.layers()[1]))  # the others stay 4-bit
+
+
+def test_a_4bit_model_already_repacked_for_bitsandbytes_cpu_kernel_is_refused(nf4_folder):
+    """What bitsandbytes does at the first forward on a CPU with AVX512-BF16, done here on any CPU."""
+    from bitsandbytes.functional import _convert_weight_packed_for_cpu
+
+    model = AutoModelForCausalLM.from_pretrained(nf4_folder, device_map="cpu")
+    down = model.model.layers[2].mlp.down_proj
+    down.weight.data, down.weight.quant_state = _convert_weight_packed_for_cpu(down.weight.data, down.weight.quant_state)
+    with pytest.raises(BlockfoldError, match="repacks its weights"):
+        blockfold.compress(model, tiny_tokenizer(), {"method": "replaceme", "blocks": 2}, calibration=random_calibration())
 
 
 def test_compressed_4bit_checkpoint_keeps_untouched_weights_and_reloads(nf4_folder, tmp_path):

@@ -32,7 +32,7 @@ from blockfold.adapters import DecoderAdapter, get_adapter
 from blockfold.errors import BlockfoldError
 from blockfold.models.checkpoint import CheckpointReader
 from blockfold.models.naming import load_stored, stored_tensors
-from blockfold.models.quantized import dequantized_weight, is_quantized_linear, make_plain_linear
+from blockfold.models.quantized import dequantized_weight, is_quantized_linear, keep_standard_4bit_layout, make_plain_linear
 
 Edit = Callable[[torch.Tensor], torch.Tensor]
 
@@ -150,6 +150,7 @@ class ModelHandle:
 
     def __post_init__(self) -> None:
         self.adapter: DecoderAdapter = get_adapter(self.model)
+        keep_standard_4bit_layout(self.model)
 
     @property
     def saved_model(self) -> PreTrainedModel:

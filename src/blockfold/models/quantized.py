@@ -70,6 +70,26 @@ def dequantized_weight(module: nn.Module) -> torch.Tensor:
     return bnb_functional.dequantize_4bit(weight.data, weight.quant_state).to(torch.float32)
 
 
+def keep_standard_4bit_layout(model: nn.Module) -> None:
+    """Stop bitsandbytes from repacking the model's 4-bit weights for its CPU kernel.
+
+    On a CPU with AVX512-BF16, bitsandbytes (0.50) rewrites a 4-bit layer's weight and quantization
+    state into its kernel's own layout at the layer's first forward, and computes in bfloat16. The
+    fold then dequantized garbage and the untouched weights were saved in a layout no loader reads,
+    so blockfold keeps the standard layout (its float compute path). A layer already repacked (a model
+    run before it was handed over) is refused: bitsandbytes' inverse does not restore its scales.
+    """
+    for name, module in model.named_modules():
+        if not is_quantized_linear(module):
+            continue
+        if getattr(module.weight.quant_state, "packing_format_for_cpu", False):
+            raise BlockfoldError(f"{name}: this 4-bit model already ran on a CPU where bitsandbytes repacks its weights "
+                                 "for its AVX512-BF16 kernel, a layout blockfold cannot fold or save: pass the "
+                                 "checkpoint's folder (or load it and compress it before running it)")
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+
+
 def make_plain_linear(module: nn.Module, weight: torch.Tensor) -> None:
     """Turn the 4-bit layer ``module`` into a plain ``nn.Linear`` holding ``weight``, in place, so
     every reference to the module (adapters, the weight store) stays valid."""
