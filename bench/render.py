@@ -726,7 +726,7 @@ SECTIONS: dict[str, tuple[str | tuple[str, ...], Callable]] = {
     "accuracy": (("new_methods_accuracy.json", "new_methods_accuracy_part2.json"), render_accuracy),
     "vision": ("vision.json", render_vision),
     "refit": (("new_methods_part2.json", "refit_study_part1.json", "refit_study_part2.json", "refit_study_part3.json",
-               "refit_validation_4.json", "refit_validation_12.json", "refit_validation_12_plain.json"),
+               "refit_study_part4.json", "refit_validation_4.json", "refit_validation_12.json", "refit_validation_12_plain.json"),
               render_refit),
     "packing": ("calibration_packing.json", render_packing),
     "healing": (("healing.json", "healing_v3_through_norm.json"), render_healing),
