@@ -720,7 +720,7 @@ SECTIONS: dict[str, tuple[str | tuple[str, ...], Callable]] = {
     "serving": (("serving.json", "serving_gemma.json"), render_serving),
     "quantized-input": ("quantized_input.json", render_quantized_input),
     "new-methods": (("new_methods.json", "new_methods_part2.json", "new_methods_part3.json", "new_methods_gemma_4.json",
-                     "new_methods_gemma_4_part2.json"),
+                     "new_methods_gemma_4_part2.json", "new_methods_gemma_4_part3.json"),
                     render_new_methods),
     "selection": (("selection_smollm2_c4.json",), render_selection),
     "accuracy": (("new_methods_accuracy.json", "new_methods_accuracy_part2.json"), render_accuracy),
