@@ -386,3 +386,111 @@ def test_version_6_recipes_keep_scoring_spans_with_the_folded_map():
     assert migrated.settings.span_scoring == "estimator"
     assert Recipe.parse({"recipe_version": 6, "method": "uidl", "settings": {"blocks": 3}}).settings.span_scoring == "estimator"
     assert Recipe.parse({"blocks": 3, "estimator": "diagonal"}).settings.span_scoring == "lstsq"
+
+
+def test_spans_auto_keeps_the_count_with_the_lowest_calibration_loss_and_builds_it_in_place(tokenizer):
+    """Every count's model is built on a copy and scored by its next-token loss on the calibration
+    tokens; the count with the lowest loss is the one compressed in place, the same model a fixed
+    count builds, and its recorded loss is the compressed model's own."""
+    from blockfold.eval.perplexity import summed_nll
+
+    calibration = random_calibration(num_sequences=16)
+    model = tiny_model("llama")
+    silence_blocks(model, [1, 3, 4])
+    result = blockfold.compress(model, tokenizer, {"blocks": 3, "spans": "auto"}, calibration=calibration)
+    search = result.manifest["selection"]["span_count_search"]
+    losses = {int(count): entry["mean_nll"] for count, entry in search["candidates"].items()}
+    assert set(losses) == {1, 2, 3}
+    assert search["chosen"] == min(losses, key=lambda count: (losses[count], count))
+    # two and three spans of three silent blocks are the same blocks (3 and 4 touch): one model, one loss
+    assert search["candidates"][2]["removed_blocks"] == search["candidates"][3]["removed_blocks"] == [1, 3, 4]
+    assert losses[2] == losses[3]
+    assert result.manifest["removed_blocks"] == search["candidates"][search["chosen"]]["removed_blocks"]
+    total, tokens = summed_nll(result.handle, calibration.batches)
+    assert math.isclose(total / tokens, losses[search["chosen"]], rel_tol=1e-6)
+
+    fixed_model = tiny_model("llama")
+    silence_blocks(fixed_model, [1, 3, 4])
+    blockfold.compress(fixed_model, tokenizer, {"blocks": 3, "spans": search["chosen"]}, calibration=calibration)
+    for (name, value), (_, fixed) in zip(model.state_dict().items(), fixed_model.state_dict().items()):
+        assert torch.equal(value, fixed), name
+
+
+def test_spans_auto_chooses_the_exact_removal_when_one_span_must_damage_the_model(tokenizer):
+    """Blocks 1 and 4 silent, every other block made to matter: two spans remove exactly the silent
+    ones (the original's loss), one span of two must take a live block, and auto sees it."""
+    from blockfold.eval.perplexity import summed_nll
+
+    calibration = random_calibration(num_sequences=16)
+    model = tiny_model("llama")
+    adapter = get_adapter(model)
+    with torch.no_grad():
+        for layer in adapter.layers(model):
+            adapter.down_proj(layer).weight.mul_(8.0)
+    silence_blocks(model, [1, 4])
+    total, tokens = summed_nll(model, calibration.batches)
+    result = blockfold.compress(model, tokenizer, {"blocks": 2, "spans": "auto"}, calibration=calibration)
+    search = result.manifest["selection"]["span_count_search"]
+    assert search["chosen"] == 2 and result.manifest["removed_blocks"] == [1, 4]
+    assert math.isclose(search["candidates"][2]["mean_nll"], total / tokens, rel_tol=1e-5)
+    assert search["candidates"][1]["mean_nll"] > search["candidates"][2]["mean_nll"]
+
+
+def test_spans_auto_on_a_streamed_model_equals_the_resident_one(tmp_path):
+    """The copies of a model streamed from its checkpoint are skeletons over the same file; the search
+    and the saved weights match the resident run."""
+    from blockfold.runtime import Execution
+    from conftest import tiny_tokenizer
+
+    folder = tmp_path / "tiny"
+    tiny_model("llama").save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    calibration = random_calibration(num_sequences=8)
+    searches = []
+    for pipeline in ("whole", "sequential"):
+        execution = Execution(pipeline=pipeline, chunk_sequences=3)
+        handle = blockfold.open_model(str(folder), execution)
+        result = blockfold.compress(handle, recipe={"blocks": 2, "spans": "auto"}, calibration=calibration,
+                                    execution=execution)
+        assert result.manifest["execution"]["pipeline"] == pipeline
+        searches.append(result.manifest["selection"]["span_count_search"])
+    (whole, sequential) = searches
+    assert whole["chosen"] == sequential["chosen"]
+    for count, entry in whole["candidates"].items():
+        assert entry["removed_blocks"] == sequential["candidates"][count]["removed_blocks"]
+        assert math.isclose(entry["mean_nll"], sequential["candidates"][count]["mean_nll"], rel_tol=1e-4)
+
+
+def test_summed_nll_scores_padded_batches_as_their_sequences_alone():
+    """Calibration batches are padded when their texts are short: the padded batch's loss is the sum of
+    each sequence's loss on its own, on a resident and a streamed model alike."""
+    from blockfold.data import Batch
+    from blockfold.eval.perplexity import summed_nll
+
+    model = tiny_model("llama")
+    generator = torch.Generator().manual_seed(4)
+    sequences = [torch.randint(4, 96, (n,), generator=generator) for n in (20, 13, 7)]
+    alone = [summed_nll(model, [Batch(s[None], torch.ones(1, len(s), dtype=torch.long))]) for s in sequences]
+    ids = torch.zeros(3, 20, dtype=torch.long)
+    mask = torch.zeros(3, 20, dtype=torch.long)
+    for row, s in enumerate(sequences):
+        ids[row, : len(s)], mask[row, : len(s)] = s, 1
+    total, tokens = summed_nll(model, [Batch(ids, mask)])
+    assert tokens == sum(t for _, t in alone) == 19 + 12 + 6
+    assert math.isclose(total, sum(n for n, _ in alone), rel_tol=1e-5)
+    streamed_total, streamed_tokens = summed_nll(handle_of(model), [Batch(ids, mask)])
+    assert streamed_tokens == tokens and math.isclose(streamed_total, total, rel_tol=1e-5)
+
+
+def test_spans_auto_is_replaceme_only_and_the_cli_reads_it():
+    from blockfold.cli import _span_count
+
+    assert Recipe.parse({"spans": "auto"}).settings.span_counts(8) == (1, 2, 3)
+    assert Recipe.parse({"blocks": 2, "spans": "auto"}).settings.span_counts(2) == (1, 2)
+    assert _span_count("auto") == "auto" and _span_count("2") == 2
+    with pytest.raises(Exception, match="number of spans or auto"):
+        _span_count("two")
+    with pytest.raises(BlockfoldError, match="spans"):
+        Recipe.parse({"method": "uidl", "spans": "auto"})
+    with pytest.raises(BlockfoldError, match="cannot be combined"):
+        Recipe.parse({"spans": "auto", "span_start": 3})

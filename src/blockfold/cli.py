@@ -41,6 +41,15 @@ CALIBRATION_FLAGS = {
 BUDGET_FIELDS = ("blocks", "attention_layers", "ratio")
 
 
+def _span_count(value: str) -> int | str:
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--spans takes a number of spans or auto, not {value!r}") from None
+
+
 def _choices(field: str) -> list[str]:
     """The literal values a settings field accepts, so flags and settings never disagree."""
     from typing import Literal, get_args, get_origin
@@ -131,7 +140,9 @@ def _add_compress(sub) -> None:
                         "estimator's own map (recipe version 6 and older)")
     p.add_argument("--rank", type=int, help="lowrank: rank of the correction to the identity (default 32)")
     p.add_argument("--span-start", type=int, help="remove the span starting at this block instead of selecting one")
-    p.add_argument("--spans", type=int, help="replaceme/uidl: remove this many non-overlapping spans sharing --blocks")
+    p.add_argument("--spans", type=_span_count,
+                   help="replaceme/uidl: remove this many non-overlapping spans sharing --blocks; replaceme also takes "
+                        "auto: build the model with 1, 2 and 3 spans and keep the lowest calibration loss")
     p.add_argument("--ridge-alpha", type=float, help="L2 penalty of the closed-form fits")
     p.add_argument("--cosine-l1", type=float, help="cosine estimator: L1 penalty on the transform")
     p.add_argument("--criterion", choices=_choices("criterion"),

@@ -142,7 +142,8 @@ def plan_for(spec: str, recipe: Recipe, execution: Execution, accelerator_memory
                                                                         per_layer_params * element), 0))
     if isinstance(settings, SpanSelection):
         n = settings.num_blocks(num_layers)
-        lengths = sorted(set(split_budget(n, settings.spans)))
+        counts = settings.span_counts(n)
+        lengths = sorted({length for count in counts for length in split_budget(n, count)})
         criterion = settings.criterion
         need_all = criterion in ("fit_error", "fit_error_stream")
         weighted = criterion == "fit_error_stream"  # the per-token weighted sums serve it alone
@@ -172,14 +173,22 @@ def plan_for(spec: str, recipe: Recipe, execution: Execution, accelerator_memory
             passes = n
         if isinstance(settings, ReplaceMe) and (settings.estimator == "cosine" or not adapter.folds_exactly):
             passes += 1  # the token subsample for the numerical fit
-        passes += settings.spans - 1  # later spans are refitted on the compressed model
-        if getattr(settings, "refit", "none") != "none":
+        # later spans are refitted on the compressed model; a refit records the original streams to the
+        # span's end, then runs both streams through the later blocks, twice
+        refit = 2 if getattr(settings, "refit", "none") != "none" else 0
+        build = {count: count - 1 + refit for count in counts}
+        passes += build[counts[0]] if len(counts) == 1 else sum(b + 1 for b in build.values()) + max(build.values())
+        if refit:
             intermediate = getattr(model.config, "intermediate_size", None) or 4 * d
             refit_sums = intermediate * (intermediate + d) * 8
             sums = max(sums, refit_sums)
-            passes += 2  # the original streams to the span's end, then both streams through the later blocks, twice
             notes.append(f"refit: {gib(refit_sums)} of sums per down-projection, and the original and compressed "
                          f"streams kept for all calibration tokens ({gib(3 * tokens * d * element)})")
+        if len(counts) > 1:
+            notes.append(f"spans auto: the model built with {', '.join(map(str, counts))} spans on a copy (another "
+                         f"{'copy of the weights' if pipeline == 'whole' else 'skeleton over the checkpoint'}), "
+                         "each scored with one pass of its calibration loss, then the chosen count's model built "
+                         "again in place (counted at most: touching spans build one model once)")
     elif recipe.method in ("nbl", "nbl-block", "drop-attn"):
         count = (settings.num_attention_layers(num_layers) if isinstance(settings, AttentionBudget)
                  else settings.num_blocks(num_layers))
@@ -255,7 +264,8 @@ def plan_for(spec: str, recipe: Recipe, execution: Execution, accelerator_memory
         chunks = 1
         per_batch = per_token * calibration.batch_size * calibration.sequence_length
         plan.add("batches", f"{calibration.batch_size} sequences per batch ({gib(per_batch)} of activations and windows)")
-        peak = weights + per_batch + sums
+        copies = 2 if isinstance(settings, SpanSelection) and len(settings.span_counts(settings.num_blocks(num_layers))) > 1 else 1
+        peak = copies * weights + per_batch + sums  # spans auto: the original beside one candidate's copy
     plan.add("passes", f"{passes} over the calibration set")
     plan.add("peak memory", f"about {gib(peak)} on the device" + (f" of {gib(memory)}" if memory else ""))
 

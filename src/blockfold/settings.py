@@ -12,7 +12,7 @@ In the Python API the classes are also the one verb's configuration (torchao-sty
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
@@ -22,6 +22,8 @@ from blockfold.schema import Strict
 SPAN_CRITERIA = ("angular_last", "angular_all", "block_influence", "cka", "cca", "fit_error", "fit_error_stream")
 SpanCriterion = Literal["angular_last", "angular_all", "block_influence", "cka", "cca", "fit_error", "fit_error_stream"]
 LinearityCriterion = Literal["cca", "nmse", "cosine", "stream"]
+#: the span counts ReplaceMe's ``spans="auto"`` compresses and compares
+AUTO_SPAN_COUNTS = (1, 2, 3)
 
 
 class CosineConfig(Strict):
@@ -104,15 +106,20 @@ class SpanSelection(BlockBudget):
 
     @model_validator(mode="after")
     def _one_selection(self):
-        if self.spans > 1 and self.span_start is not None:
+        if self.spans != 1 and self.span_start is not None:
             raise ValueError("spans (--spans) cannot be combined with span_start (--span-start): choose one selection")
         return self
 
     def num_blocks(self, num_layers: int) -> int:
         n = super().num_blocks(num_layers)
-        if self.spans > n:
+        if isinstance(self.spans, int) and self.spans > n:
             raise BlockfoldError(f"cannot split {n} blocks into {self.spans} spans: use --spans at most {n}")
         return n
+
+    def span_counts(self, blocks: int) -> tuple[int, ...]:
+        """How many spans the selection considers for ``blocks`` blocks: its own count, or every count
+        ``auto`` compares."""
+        return (self.spans,) if isinstance(self.spans, int) else tuple(k for k in AUTO_SPAN_COUNTS if k <= blocks)
 
 
 class ReplaceMe(SpanSelection):
@@ -120,6 +127,12 @@ class ReplaceMe(SpanSelection):
 
     method: ClassVar[str] = "replaceme"
     runs_on_images: ClassVar[bool] = True
+    # auto: compress with each of AUTO_SPAN_COUNTS spans (those whose selection differs) on a copy of
+    # the model and keep the count whose compressed model has the lowest next-token loss on the
+    # calibration text. No span score compares shapes: at 12 of 30 blocks of SmolLM2-135M two spans
+    # reached 2.5x lower held-out perplexity than one, with six times its summed fit error
+    # (BENCHMARKS.md, "The 2024-26 methods")
+    spans: Annotated[int, Field(ge=1)] | Literal["auto"] = 1
 
     # span selection (select/spans.py): the fitted map's relative error, the criterion whose span was
     # best or tied at every budget checked on held-out text (SmolLM2-135M 4, 8, 12 blocks; Gemma-3-270m 4);
@@ -180,7 +193,7 @@ class ReplaceMe(SpanSelection):
             self.rank = 32
         if self.rank is not None and self.estimator != "lowrank":
             raise ValueError(f"rank (--rank) applies to the lowrank estimator only, not {self.estimator!r}")
-        if self.greedy and (self.spans > 1 or self.span_start is not None):
+        if self.greedy and (self.spans != 1 or self.span_start is not None):
             raise ValueError("greedy (--greedy) cannot be combined with spans or span_start: choose one selection")
         if self.sandwich_fold != "auto" and self.estimator == "identity":
             raise ValueError("sandwich_fold chooses how a map is folded, and the identity estimator folds none: "

@@ -80,35 +80,47 @@ def perplexity(model, windows: torch.Tensor, batch_size: int = 4, description: s
     ``model`` is a model or a ``ModelHandle``; a streamed handle runs layer by layer, ``batch_size``
     windows per batch and 16 batches per chunk, so the whole model is never resident.
     """
-    from blockfold.adapters import get_adapter
-    from blockfold.models.handle import ModelHandle
+    from blockfold.data import Batch
 
-    handle = model if isinstance(model, ModelHandle) else None
-    model = handle.model if handle is not None else model
-    adapter = get_adapter(model)
-    total, count = 0.0, 0
-    if handle is not None and not handle.resident:
-        total, count = _streamed_nll(handle, windows, batch_size, description)
-    else:
-        device = next(model.parameters()).device
-        for first in tqdm(range(0, len(windows), batch_size), desc=description, unit="batch"):
-            ids = windows[first : first + batch_size].to(device)
-            normed = adapter.decoder(model)(input_ids=ids, use_cache=False).last_hidden_state
-            nll, scored = next_token_nll(model, adapter, normed, ids, normed=True)
-            total += nll
-            count += scored
+    batches = [Batch(windows[i : i + batch_size], torch.ones_like(windows[i : i + batch_size]))
+               for i in range(0, len(windows), batch_size)]
+    total, count = summed_nll(model, batches, description)
     mean_nll = total / count
     return {"perplexity": math.exp(mean_nll), "mean_nll": mean_nll, "windows": len(windows),
             "window_length": windows.shape[1], "scored_tokens": count}
 
 
-def _streamed_nll(handle, windows: torch.Tensor, batch_size: int, description: str) -> tuple[float, int]:
-    from blockfold.data import Batch
+@torch.no_grad()
+def summed_nll(model, batches: list, description: str = "next-token loss") -> tuple[float, int]:
+    """Summed next-token negative log-likelihood over the real tokens of ``batches`` (calibration
+    batches, padded or packed), and the number of tokens scored. ``model`` is a model or a
+    ``ModelHandle``; a streamed handle runs layer by layer, 16 batches per chunk."""
+    from blockfold.adapters import get_adapter
+    from blockfold.models.handle import ModelHandle
+
+    handle = model if isinstance(model, ModelHandle) else None
+    model = handle.model if handle is not None else model
+    if handle is not None and not handle.resident:
+        return _streamed_nll(handle, batches, description)
+    adapter = get_adapter(model)
+    device = next(model.parameters()).device
+    total, count = 0.0, 0
+    for batch in tqdm(batches, desc=description, unit="batch"):
+        ids, mask = batch.input_ids.to(device), batch.attention_mask.to(device)
+        padded = not bool(mask.all())  # a full window takes the plain causal path, as it always has
+        normed = adapter.decoder(model)(input_ids=ids, use_cache=False,
+                                        **({"attention_mask": mask, "position_ids": batch.position_ids.to(device)}
+                                           if padded else {})).last_hidden_state
+        nll, scored = next_token_nll(model, adapter, normed, ids, mask if padded else None, normed=True)
+        total += nll
+        count += scored
+    return total, count
+
+
+def _streamed_nll(handle, batches: list, description: str) -> tuple[float, int]:
     from blockfold.pipelines import LayerProgram
     from blockfold.pipelines.buffers import ActivationStore
 
-    batches = [Batch(windows[i : i + batch_size], torch.ones_like(windows[i : i + batch_size]))
-               for i in range(0, len(windows), batch_size)]
     total, count = 0.0, 0
     last = handle.num_layers() - 1
     for first in tqdm(range(0, len(batches), 16), desc=description, unit="chunk"):
@@ -121,7 +133,8 @@ def _streamed_nll(handle, windows: torch.Tensor, batch_size: int, description: s
                         program.set_hidden(number, run(program.hidden(number), number))
             with handle.materialized(*handle.head_modules()):
                 for number, batch in enumerate(chunk):
-                    nll, scored = next_token_nll(handle.model, handle.adapter, program.hidden(number), batch.input_ids)
+                    nll, scored = next_token_nll(handle.model, handle.adapter, program.hidden(number), batch.input_ids,
+                                                 batch.attention_mask)
                     total += nll
                     count += scored
     return total, count

@@ -15,7 +15,8 @@ best K starts only, K as many as the budget holds. The manifest says which were 
 
 Several spans (``spans=k``) share the budget and are chosen together from the first pass; they are
 then replaced shallowest first, each later span's map refitted on the model as already compressed
-(one truncated pass each). ``greedy`` removes one block per round, the one the criterion scores best
+(one truncated pass each). ``spans="auto"`` builds the model of each span count on a copy and keeps
+the count with the lowest calibration loss. ``greedy`` removes one block per round, the one the criterion scores best
 after its own fix, with one pass per round.
 """
 
@@ -32,7 +33,7 @@ from blockfold.estimate import fit_numerically, fit_span_map, linear_contributio
 from blockfold.errors import BlockfoldError
 from blockfold.methods.base import Job
 from blockfold.methods.refit import DownstreamRefit, RemovedSpan
-from blockfold.select import best_span, best_spans, by_start, span_criteria, split_budget
+from blockfold.select import SpanChoice, best_span, best_spans, by_start, span_criteria, span_label, split_budget
 from blockfold.settings import ReplaceMe
 from blockfold.stats import NormalEquations, SpanRows, SpanSample, SpanStatistics, SpanTable
 from blockfold.stats.similarity import StreamMoments, StreamSimilarity
@@ -323,42 +324,31 @@ def compress_replaceme(job: Job) -> dict:
     if settings.sandwich_fold in ("linearized-norm", "through-norm") and job.adapter.folds_exactly:
         raise BlockfoldError(f"sandwich_fold {settings.sandwich_fold} applies to blocks with a norm after the MLP "
                              f"(Gemma); {job.model.config.model_type} has none, so drop --sandwich-fold")
+    if settings.spans == "auto" and job.adapter.is_vision:
+        raise BlockfoldError("--spans auto compares the compressed models' next-token loss, which a vision encoder "
+                             "has none of: give --spans a number (1 is the default)")
     budget = settings.num_blocks(job.num_layers)
     if settings.greedy:
         return _compress_greedy(job, budget)
     criterion = settings.criterion
-    lengths = sorted(set(split_budget(budget, settings.spans)), reverse=True)
+    counts = settings.span_counts(budget)
+    lengths = sorted({length for count in counts for length in split_budget(budget, count)}, reverse=True)
     measured = measure_spans(job, lengths, budget, criterion)
     scores = span_criteria(measured.distances, measured.tables, measured.moments, _scoring_map(settings))
-    if settings.spans == 1:
-        choices = [best_span(scores[criterion], budget, criterion, fixed_start=settings.span_start)]
-    else:
-        choices = best_spans(scores[criterion], split_budget(budget, settings.spans), criterion)
     first_pass = {table.fit_length: table.normal_equations for table in measured.tables}
-    replaced, removed_so_far, refit = [], 0, None
-    with contextlib.ExitStack() as stack:
-        if settings.refit != "none":  # records the original streams before the surgery
-            refit = stack.enter_context(DownstreamRefit(job, [RemovedSpan(c.start, c.length) for c in choices],
-                                                        settings.refit_blocks, settings.refit_ridge,
-                                                        settings.refit_weighting,
-                                                        attention=settings.refit == "attn+down"))
-        for choice in choices:  # shallowest first: a later span's map is refitted on the compressed model
-            start = choice.start - removed_so_far
-            equations = first_pass.get(choice.length, {}).get(choice.start) if removed_so_far == 0 else None
-            if equations is None or (equations.xtx is None and settings.estimator != "identity"):
-                equations = refit_equations(job, start, choice.length)
-            info = _replace_span(job, start, choice.length, equations)
-            replaced.append({"blocks": choice.blocks, "folded_into_block": choice.start - 1, "score": choice.score,
-                             "transform": info})
-            removed_so_far += choice.length
-        refitted = refit.apply() if refit is not None else None
+    shapes = {count: [best_span(scores[criterion], budget, criterion, fixed_start=settings.span_start)] if count == 1
+              else best_spans(scores[criterion], split_budget(budget, count), criterion) for count in counts}
+    search = _compare_span_counts(job, shapes, first_pass) if len(counts) > 1 else None
+    count = search["chosen"] if search is not None else counts[0]
+    choices = shapes[count]
+    replaced, refitted = _replace_spans(job, choices, first_pass)
     selection = {
         "criterion": criterion,
         "scored_with": _scored_with(settings),
         "start": choices[0].start,
         "length": choices[0].length,
         "score": sum(c.score for c in choices),
-        "candidates": by_start(scores[criterion], budget) if settings.spans == 1 else choices[0].candidates,
+        "candidates": by_start(scores[criterion], budget) if count == 1 else choices[0].candidates,
         "scores_per_criterion": {name: values for name, values in
                                  ((name, by_start(table, budget)) for name, table in scores.items()) if values},
         "span_distances": {name: _table(getattr(measured.distances, name))
@@ -372,7 +362,9 @@ def compress_replaceme(job: Job) -> dict:
         selection["scored_map"] = "post-norm lstsq (a proxy for the sandwich fold fitted after selection)"
     if measured.screening:
         selection["screening_scores"] = {str(length): values for length, values in measured.screening.items()}
-    if settings.spans > 1:
+    if search is not None:
+        selection["span_count_search"] = search
+    if len(counts) > 1 or count > 1:
         selection["scores_per_length"] = {str(length): {name: by_start(values, length) for name, values in scores.items()}
                                           for length in lengths}
     manifest = {"removed_blocks": sorted(b for c in choices for b in c.blocks), "spans": replaced, "selection": selection}
@@ -381,6 +373,63 @@ def compress_replaceme(job: Job) -> dict:
     if len(replaced) == 1:  # the single-span fields every ReplaceMe manifest has had
         manifest.update(transform_folded_into_block=replaced[0]["folded_into_block"], transform=replaced[0]["transform"])
     return manifest
+
+
+def _replace_spans(job: Job, choices: list[SpanChoice], first_pass: dict) -> tuple[list[dict], dict | None]:
+    """Fold each chosen span's map and remove the span, shallowest first (a later span's map is
+    refitted on the model as already compressed), then the downstream refit; returns what was
+    folded per span and what the refit did."""
+    settings: ReplaceMe = job.settings
+    replaced, removed_so_far, refit = [], 0, None
+    with contextlib.ExitStack() as stack:
+        if settings.refit != "none":  # records the original streams before the surgery
+            refit = stack.enter_context(DownstreamRefit(job, [RemovedSpan(c.start, c.length) for c in choices],
+                                                        settings.refit_blocks, settings.refit_ridge,
+                                                        settings.refit_weighting,
+                                                        attention=settings.refit == "attn+down"))
+        for choice in choices:
+            start = choice.start - removed_so_far
+            equations = first_pass.get(choice.length, {}).get(choice.start) if removed_so_far == 0 else None
+            if equations is None or (equations.xtx is None and settings.estimator != "identity"):
+                equations = refit_equations(job, start, choice.length)
+            info = _replace_span(job, start, choice.length, equations)
+            replaced.append({"blocks": choice.blocks, "folded_into_block": choice.start - 1, "score": choice.score,
+                             "transform": info})
+            removed_so_far += choice.length
+        refitted = refit.apply() if refit is not None else None
+    return replaced, refitted
+
+
+def _compare_span_counts(job: Job, shapes: dict[int, list[SpanChoice]], first_pass: dict) -> dict:
+    """``spans="auto"``: compress a copy of the model with each count's spans (a count whose spans
+    touch is the same model as a smaller count's, and is not built twice) and choose the count whose
+    model has the lowest next-token loss on the calibration text. The spans' own scores cannot
+    compare counts (settings.ReplaceMe.spans); the calibration loss is the end-to-end measure every
+    candidate is built from the same tokens for."""
+    from blockfold.eval.perplexity import summed_nll
+    from blockfold.pipelines import Runner
+
+    # the copies run without the job's checkpoints and statistics cache: theirs are the job's passes
+    execution = job.runner.execution.model_copy(update={"resume_dir": None, "stats_cache": None})
+    built: dict[tuple[int, ...], dict] = {}
+    candidates = {}
+    for count, choices in shapes.items():
+        blocks = tuple(b for c in choices for b in c.blocks)
+        if blocks not in built:
+            twin = job.handle.fresh_copy()
+            twin_job = Job(twin, job.settings, job.calibration, Runner(twin, execution), job.cache, job.seed)
+            _replace_spans(twin_job, choices, first_pass)
+            total, tokens = summed_nll(twin, job.calibration.batches, f"calibration loss, {count} span(s)")
+            built[blocks] = {"mean_nll": total / tokens, "tokens": tokens, "passes": twin_job.runner.passes + 1}
+            del twin, twin_job
+        candidates[count] = {"removed_blocks": list(blocks), "spans": [span_label(c.blocks) for c in choices],
+                             **built[blocks]}
+        logger.info("spans=auto: %d span(s) %s: calibration loss %.4f", count, candidates[count]["spans"],
+                    candidates[count]["mean_nll"])
+    # the fewest spans among equal losses (a count whose spans touch builds the smaller count's model)
+    chosen = min(candidates, key=lambda count: (candidates[count]["mean_nll"], count))
+    return {"measure": "mean next-token loss on the calibration tokens", "candidates": candidates, "chosen": chosen,
+            "candidate_passes": sum(entry["passes"] for entry in built.values())}
 
 
 def _compress_greedy(job: Job, budget: int) -> dict:

@@ -301,7 +301,9 @@ class ModelHandle:
         else:
             from blockfold.models.sources import skeleton
 
-            saved = skeleton(self.saved_model.config, self.dtype)
+            # a config of its own: from_config keeps the object it is given, and the twin's surgery edits
+            # its layer count (a shared one broke every later twin of a streamed model)
+            saved = skeleton(copy.deepcopy(self.saved_model.config), self.dtype)
             store = WeightStore.of(saved, self.store.reader)
         model = language_model_view(saved)
         return ModelHandle(model, self.tokenizer, self.device, self.dtype, store, self.spec, self.path,

@@ -90,8 +90,8 @@ def by_start(scores: np.ndarray, length: int, min_start: int = 1) -> dict[int, f
 
 
 def span_label(blocks: list[int]) -> str:
-    """``"12-19"`` for a contiguous run of blocks, else the blocks comma-separated."""
-    if blocks and blocks == list(range(blocks[0], blocks[-1] + 1)):
+    """``"12-19"`` for a contiguous run of blocks, ``"12"`` for one, else the blocks comma-separated."""
+    if len(blocks) > 1 and blocks == list(range(blocks[0], blocks[-1] + 1)):
         return f"{blocks[0]}-{blocks[-1]}"
     return ",".join(map(str, blocks))
 
