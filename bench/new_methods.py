@@ -175,6 +175,8 @@ def main() -> None:
             if result.manifest.get(key):
                 row[key] = result.manifest[key]
         row["selection_score"] = result.manifest["selection"].get("score")
+        if result.manifest["selection"].get("span_count_search"):  # --spans auto: every count's model and loss
+            row["span_count_search"] = result.manifest["selection"]["span_count_search"]
         results["rows"].append(row)
         print(json.dumps({k: row.get(k) for k in ("method", "removed_blocks", "compress_passes", "forward_passes",
                                                   "perplexity")}
