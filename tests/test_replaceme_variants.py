@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from conftest import handle_of, random_calibration, silence_blocks, stream, tiny_model
+from conftest import handle_of, random_calibration, silence_blocks, stream, tiny_model, tiny_tokenizer
 
 import blockfold
 from blockfold.adapters import get_adapter
@@ -388,12 +388,10 @@ def test_version_6_recipes_keep_scoring_spans_with_the_folded_map():
     assert Recipe.parse({"blocks": 3, "estimator": "diagonal"}).settings.span_scoring == "lstsq"
 
 
-def test_spans_auto_keeps_the_count_with_the_lowest_calibration_loss_and_builds_it_in_place(tokenizer):
-    """Every count's model is built on a copy and scored by its next-token loss on the calibration
-    tokens; the count with the lowest loss is the one compressed in place, the same model a fixed
-    count builds, and its recorded loss is the compressed model's own."""
-    from blockfold.eval.perplexity import summed_nll
-
+def test_spans_auto_keeps_the_count_with_the_lowest_held_out_loss_and_builds_it_in_place(tokenizer):
+    """Every count's model is built on a copy without the held-out calibration sequences and scored by
+    its next-token loss on them; the count with the lowest loss is the one compressed in place, on all
+    the sequences: the same model a fixed count builds."""
     calibration = random_calibration(num_sequences=16)
     model = tiny_model("llama")
     silence_blocks(model, [1, 3, 4])
@@ -406,8 +404,8 @@ def test_spans_auto_keeps_the_count_with_the_lowest_calibration_loss_and_builds_
     assert search["candidates"][2]["removed_blocks"] == search["candidates"][3]["removed_blocks"] == [1, 3, 4]
     assert losses[2] == losses[3]
     assert result.manifest["removed_blocks"] == search["candidates"][search["chosen"]]["removed_blocks"]
-    total, tokens = summed_nll(result.handle, calibration.batches)
-    assert math.isclose(total / tokens, losses[search["chosen"]], rel_tol=1e-6)
+    # four batches of four sequences: the last batch is held out (an eighth, at least one batch)
+    assert search["held_out_sequences"] == 4 and search["held_out_tokens"] == 4 * 24
 
     fixed_model = tiny_model("llama")
     silence_blocks(fixed_model, [1, 3, 4])
@@ -418,8 +416,10 @@ def test_spans_auto_keeps_the_count_with_the_lowest_calibration_loss_and_builds_
 
 def test_spans_auto_chooses_the_exact_removal_when_one_span_must_damage_the_model(tokenizer):
     """Blocks 1 and 4 silent, every other block made to matter: two spans remove exactly the silent
-    ones (the original's loss), one span of two must take a live block, and auto sees it."""
+    ones (the original's loss on the held-out sequences), one span of two must take a live block,
+    and auto sees it."""
     from blockfold.eval.perplexity import summed_nll
+    from blockfold.methods.replaceme import _hold_out
 
     calibration = random_calibration(num_sequences=16)
     model = tiny_model("llama")
@@ -428,7 +428,7 @@ def test_spans_auto_chooses_the_exact_removal_when_one_span_must_damage_the_mode
         for layer in adapter.layers(model):
             adapter.down_proj(layer).weight.mul_(8.0)
     silence_blocks(model, [1, 4])
-    total, tokens = summed_nll(model, calibration.batches)
+    total, tokens = summed_nll(model, _hold_out(calibration)[1])
     result = blockfold.compress(model, tokenizer, {"blocks": 2, "spans": "auto"}, calibration=calibration)
     search = result.manifest["selection"]["span_count_search"]
     assert search["chosen"] == 2 and result.manifest["removed_blocks"] == [1, 4]
@@ -480,6 +480,18 @@ def test_summed_nll_scores_padded_batches_as_their_sequences_alone():
     assert math.isclose(total, sum(n for n, _ in alone), rel_tol=1e-5)
     streamed_total, streamed_tokens = summed_nll(handle_of(model), [Batch(ids, mask)])
     assert streamed_tokens == tokens and math.isclose(streamed_total, total, rel_tol=1e-5)
+
+
+def test_spans_auto_holds_out_an_eighth_of_the_sequences_and_needs_two():
+    from blockfold.methods.replaceme import _hold_out
+
+    fitting, held_out = _hold_out(random_calibration(num_sequences=64, batch_size=8))
+    assert len(fitting) == 7 and len(held_out) == 1 and len(held_out[0]) == 8
+    fitting, held_out = _hold_out(random_calibration(num_sequences=8, batch_size=8))  # one batch: split by rows
+    assert [len(b) for b in fitting] == [7] and [len(b) for b in held_out] == [1]
+    with pytest.raises(BlockfoldError, match="one sequence leaves none"):
+        blockfold.compress(tiny_model("llama"), tiny_tokenizer(), {"blocks": 2, "spans": "auto"},
+                           calibration=random_calibration(num_sequences=1, batch_size=1))
 
 
 def test_spans_auto_is_replaceme_only_and_the_cli_reads_it():

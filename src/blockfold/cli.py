@@ -142,7 +142,8 @@ def _add_compress(sub) -> None:
     p.add_argument("--span-start", type=int, help="remove the span starting at this block instead of selecting one")
     p.add_argument("--spans", type=_span_count,
                    help="replaceme/uidl: remove this many non-overlapping spans sharing --blocks; replaceme also takes "
-                        "auto: build the model with 1, 2 and 3 spans and keep the lowest calibration loss")
+                        "auto: build the model with 1, 2 and 3 spans and keep the lowest loss on held-out calibration "
+                        "sequences")
     p.add_argument("--ridge-alpha", type=float, help="L2 penalty of the closed-form fits")
     p.add_argument("--cosine-l1", type=float, help="cosine estimator: L1 penalty on the transform")
     p.add_argument("--criterion", choices=_choices("criterion"),

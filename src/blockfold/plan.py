@@ -187,7 +187,7 @@ def plan_for(spec: str, recipe: Recipe, execution: Execution, accelerator_memory
         if len(counts) > 1:
             notes.append(f"spans auto: the model built with {', '.join(map(str, counts))} spans on a copy (another "
                          f"{'copy of the weights' if pipeline == 'whole' else 'skeleton over the checkpoint'}), "
-                         "each scored with one pass of its calibration loss, then the chosen count's model built "
+                         "each fitted without an eighth of the calibration and scored with one pass of its loss on it, then the chosen count's model built "
                          "again in place (counted at most: touching spans build one model once)")
     elif recipe.method in ("nbl", "nbl-block", "drop-attn"):
         count = (settings.num_attention_layers(num_layers) if isinstance(settings, AttentionBudget)

@@ -15,8 +15,8 @@ best K starts only, K as many as the budget holds. The manifest says which were 
 
 Several spans (``spans=k``) share the budget and are chosen together from the first pass; they are
 then replaced shallowest first, each later span's map refitted on the model as already compressed
-(one truncated pass each). ``spans="auto"`` builds the model of each span count on a copy and keeps
-the count with the lowest calibration loss. ``greedy`` removes one block per round, the one the criterion scores best
+(one truncated pass each). ``spans="auto"`` builds the model of each span count on a copy, fitted
+without an eighth of the calibration sequences, and keeps the count with the lowest loss on those. ``greedy`` removes one block per round, the one the criterion scores best
 after its own fix, with one pass per round.
 """
 
@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from blockfold.estimate import fit_numerically, fit_span_map, linear_contribution, span_loss
+from blockfold.data import Batch, CalibrationSet
 from blockfold.errors import BlockfoldError
 from blockfold.methods.base import Job
 from blockfold.methods.refit import DownstreamRefit, RemovedSpan
@@ -41,6 +42,8 @@ from blockfold.surgery import fold_into_mlp_output, fold_through_linearized_norm
 
 logger = logging.getLogger(__name__)
 
+#: the share of the calibration sequences ``spans="auto"`` scores the span counts on (fitted without them)
+AUTO_HELD_OUT = 1 / 8
 #: criteria that score the fitted map, so every candidate needs its normal equations
 _FIT_CRITERIA = frozenset({"fit_error", "fit_error_stream"})
 #: criteria that need the stream moments (CKA, CCA) in the pass
@@ -338,7 +341,7 @@ def compress_replaceme(job: Job) -> dict:
     first_pass = {table.fit_length: table.normal_equations for table in measured.tables}
     shapes = {count: [best_span(scores[criterion], budget, criterion, fixed_start=settings.span_start)] if count == 1
               else best_spans(scores[criterion], split_budget(budget, count), criterion) for count in counts}
-    search = _compare_span_counts(job, shapes, first_pass) if len(counts) > 1 else None
+    search = _compare_span_counts(job, shapes) if len(counts) > 1 else None
     count = search["chosen"] if search is not None else counts[0]
     choices = shapes[count]
     replaced, refitted = _replace_spans(job, choices, first_pass)
@@ -400,15 +403,18 @@ def _replace_spans(job: Job, choices: list[SpanChoice], first_pass: dict) -> tup
     return replaced, refitted
 
 
-def _compare_span_counts(job: Job, shapes: dict[int, list[SpanChoice]], first_pass: dict) -> dict:
-    """``spans="auto"``: compress a copy of the model with each count's spans (a count whose spans
-    touch is the same model as a smaller count's, and is not built twice) and choose the count whose
-    model has the lowest next-token loss on the calibration text. The spans' own scores cannot
-    compare counts (settings.ReplaceMe.spans); the calibration loss is the end-to-end measure every
-    candidate is built from the same tokens for."""
+def _compare_span_counts(job: Job, shapes: dict[int, list[SpanChoice]]) -> dict:
+    """``spans="auto"``: for each count, fit its spans' maps and refit on a copy of the model without
+    the held-out calibration sequences, measure the copy's next-token loss on those, and choose the
+    count with the lowest (a count whose spans touch is a smaller count's model, built once). The
+    spans' own scores cannot compare counts (settings.ReplaceMe.spans), and the loss on the fitting
+    tokens cannot either: every span brings a d x d map fitted to them, and at 12 of 30 blocks of
+    SmolLM2-135M that in-sample loss preferred three spans to two, which held-out text ranks the
+    other way (BENCHMARKS.md, "How many spans")."""
     from blockfold.eval.perplexity import summed_nll
     from blockfold.pipelines import Runner
 
+    fitting, held_out = _hold_out(job.calibration)
     # the copies run without the job's checkpoints and statistics cache: theirs are the job's passes
     execution = job.runner.execution.model_copy(update={"resume_dir": None, "stats_cache": None})
     built: dict[tuple[int, ...], dict] = {}
@@ -417,19 +423,41 @@ def _compare_span_counts(job: Job, shapes: dict[int, list[SpanChoice]], first_pa
         blocks = tuple(b for c in choices for b in c.blocks)
         if blocks not in built:
             twin = job.handle.fresh_copy()
-            twin_job = Job(twin, job.settings, job.calibration, Runner(twin, execution), job.cache, job.seed)
-            _replace_spans(twin_job, choices, first_pass)
-            total, tokens = summed_nll(twin, job.calibration.batches, f"calibration loss, {count} span(s)")
-            built[blocks] = {"mean_nll": total / tokens, "tokens": tokens, "passes": twin_job.runner.passes + 1}
+            twin_job = Job(twin, job.settings, fitting, Runner(twin, execution), None, job.seed)
+            _replace_spans(twin_job, choices, {})
+            total, tokens = summed_nll(twin, held_out, f"held-out loss, {count} span(s)")
+            built[blocks] = {"mean_nll": total / tokens, "passes": twin_job.runner.passes + 1}
             del twin, twin_job
         candidates[count] = {"removed_blocks": list(blocks), "spans": [span_label(c.blocks) for c in choices],
                              **built[blocks]}
-        logger.info("spans=auto: %d span(s) %s: calibration loss %.4f", count, candidates[count]["spans"],
+        logger.info("spans=auto: %d span(s) %s: held-out calibration loss %.4f", count, candidates[count]["spans"],
                     candidates[count]["mean_nll"])
-    # the fewest spans among equal losses (a count whose spans touch builds the smaller count's model)
-    chosen = min(candidates, key=lambda count: (candidates[count]["mean_nll"], count))
-    return {"measure": "mean next-token loss on the calibration tokens", "candidates": candidates, "chosen": chosen,
+    chosen = min(candidates, key=lambda count: (candidates[count]["mean_nll"], count))  # the fewest spans on a tie
+    return {"measure": "mean next-token loss on held-out calibration sequences, the maps fitted without them",
+            "held_out_sequences": sum(len(batch) for batch in held_out),
+            "held_out_tokens": sum(batch.num_tokens for batch in held_out),
+            "candidates": candidates, "chosen": chosen,
             "candidate_passes": sum(entry["passes"] for entry in built.values())}
+
+
+def _hold_out(calibration: CalibrationSet) -> tuple[CalibrationSet, list[Batch]]:
+    """The calibration set without its last eighth of sequences (at least one), and those sequences:
+    whole batches where there are several, else rows of the one batch."""
+    batches = list(calibration.batches)
+    if len(batches) == 1:
+        batch = batches[0]
+        if len(batch) < 2:
+            raise BlockfoldError("--spans auto scores each span count on calibration sequences its maps were not "
+                                 "fitted on, and one sequence leaves none: calibrate on more (--num-seqs), or give "
+                                 "--spans a number")
+        held = max(1, round(len(batch) * AUTO_HELD_OUT))
+        batches = [Batch(batch.input_ids[:-held], batch.attention_mask[:-held]),
+                   Batch(batch.input_ids[-held:], batch.attention_mask[-held:])]
+        held = 1
+    else:
+        held = max(1, round(len(batches) * AUTO_HELD_OUT))
+    fitting = CalibrationSet(batches[:-held], {**calibration.description, "held_out_for_span_count": True})
+    return fitting, batches[-held:]
 
 
 def _compress_greedy(job: Job, budget: int) -> dict:
