@@ -631,6 +631,35 @@ def render_refit(parts: list[dict]) -> str:
     return render_new_methods(parts, keep=lambda row: row["method"].split(":")[0] == "replaceme")
 
 
+def render_span_count_search(parts: list[dict]) -> str:
+    """ReplaceMe ``--spans auto``: the blocks each span count removes and its model's calibration loss,
+    the count kept, and the kept model's perplexity on the chosen and held-out texts."""
+    counts = sorted({int(count) for results in parts for row in results["rows"]
+                     for count in row["span_count_search"]["candidates"]})
+    texts = list(parts[0]["original"]["perplexity"])
+    lines = ["Each count's model built on a copy with the row's settings; the loss is its mean next-token loss on "
+             "the sequences it was scored on (held out: the last eighth of the calibration, fitted without them; "
+             "fitting tokens: all of them, fitted on them), the only figure the choice reads. Perplexity of the kept "
+             "model; block forwards in passes of the calibration set (every candidate, its loss and the final build).",
+             "", "| model | blocks | refit | scored on | " + " | ".join(f"{count} span{'s' if count > 1 else ''}: "
+                                                                      "blocks, loss" for count in counts)
+             + " | kept | " + " | ".join(texts) + " | block forwards |",
+             "|---|---|---|---|" + "---|" * len(counts) + "---|" + "---|" * len(texts) + "---|"]
+    for results in parts:
+        for row in results["rows"]:
+            search = row["span_count_search"]
+            cells = []
+            for count in counts:
+                entry = search["candidates"].get(str(count))
+                cells.append(f"{', '.join(entry['spans'])}: {entry['mean_nll']:.4f}" if entry else "-")
+            scored_on = "held out" if "held-out" in search["measure"] else "fitting tokens"
+            lines.append(f"| {results['model']} | {results['blocks']} | {row['recipe']['settings']['refit']} | "
+                         f"{scored_on} | " + " | ".join(cells) + f" | {search['chosen']} | "
+                         + " | ".join(_perplexity(row['perplexity'][t]) for t in texts)
+                         + f" | {row['forward_passes']:.2f} |")
+    return "\n".join([*lines, "", *_footer(parts)])
+
+
 def render_accuracy(parts: list[dict]) -> str:
     """Issue #16: every method's harness accuracy and relative performance (accuracy over the
     original's, averaged over the tasks), one table per model, budget and harness setting, rows from
@@ -725,8 +754,10 @@ SECTIONS: dict[str, tuple[str | tuple[str, ...], Callable]] = {
                      "new_methods_12_part2.json", "new_methods_gemma_4_part4.json", "new_methods_8_spans.json",
                      "new_methods_4_spans.json"),
                     render_new_methods),
+    "span-count": (("spans_auto_in_sample_12.json",), render_span_count_search),
     "selection": (("selection_smollm2_c4.json",), render_selection),
-    "accuracy": (("new_methods_accuracy.json", "new_methods_accuracy_part2.json", "new_methods_accuracy_part3.json"),
+    "accuracy": (("new_methods_accuracy.json", "new_methods_accuracy_part2.json", "new_methods_accuracy_part3.json",
+                  "new_methods_accuracy_part4.json"),
                  render_accuracy),
     "vision": ("vision.json", render_vision),
     "refit": (("new_methods_part2.json", "refit_study_part1.json", "refit_study_part2.json", "refit_study_part3.json",
