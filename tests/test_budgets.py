@@ -100,6 +100,11 @@ def test_dry_run_numbers_for_the_big_configs():
                    Execution(), 80 << 30).numbers
     assert big["pipeline"] == "sequential" and big["passes"] == 4 and big["peak_bytes"] < 80 << 30
     assert big["sums_bytes"] <= big["budget_bytes"]
+    # --spans auto: each of the 1, 2, 3-span candidates built and scored, then the chosen count built again
+    searched = plan_for(str(configs / "llama-3.1-70b" / "config.json"),
+                        Recipe.parse({"blocks": 20, "spans": "auto", "calibration": calibration}),
+                        Execution(), 80 << 30).numbers
+    assert searched["passes"] == 18 and searched["peak_bytes"] < 80 << 30
 
 
 def test_version_1_recipes_are_read_with_their_defaults(tmp_path):
