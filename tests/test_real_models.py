@@ -211,13 +211,14 @@ def test_smollm2_spans_scored_by_lstsq_hold_for_constrained_maps_and_plain_remov
         assert results["lstsq"][1] < 0.5 * results["estimator"][1], results
 
 
-@pytest.mark.slow  # four builds (one span, auto's three) on the 64 x 512 calibration: about 10 minutes on 2 cores
-def test_smollm2_spans_auto_takes_two_spans_at_12_blocks_and_one_at_8(smollm2):
+@pytest.mark.slow  # five builds (auto's three and its final one, one span) on the 64 x 512 calibration: about 15 minutes on 2 cores
+def test_smollm2_spans_auto_takes_two_spans_at_12_blocks(smollm2):
     """At 12 of 30 blocks two spans (1-6, 12-17) beat the single span 2.5 times on held-out WikiText-2,
     while the spans' summed score prefers the single span (BENCHMARKS.md, "The 2024-26 methods");
     --spans auto must see it through the loss on its held-out calibration sequences, and the model it
-    keeps must be the better one on text it was not chosen on. At 8 blocks two spans touch (one
-    model), three lose: one span."""
+    keeps must be the better one on text it was not chosen on. (At 8 blocks it keeps the single span,
+    BENCHMARKS.md "How many spans": with that second search this test took 28 minutes on 2 cores, so
+    the 8-block search lives in the benchmark, not in CI.)"""
     from blockfold.methods import PassCache
 
     config, calibration, _ = _setup(smollm2, 64, 512, 1, max_documents=128)
@@ -236,7 +237,3 @@ def test_smollm2_spans_auto_takes_two_spans_at_12_blocks_and_one_at_8(smollm2):
     assert auto.manifest["selection"]["score"] > single.manifest["selection"]["score"]  # what the score alone would pick
     single_ppl, auto_ppl = perplexity(single_model, held_out)["perplexity"], perplexity(auto_model, held_out)["perplexity"]
     assert auto_ppl < 0.6 * single_ppl, (auto_ppl, single_ppl)  # measured 144.2 against 358.8
-    eight = blockfold.compress(copy.deepcopy(smollm2.model), smollm2.tokenizer,
-                               Recipe(blocks=8, spans="auto", calibration=config), calibration=calibration, cache=cache)
-    assert eight.manifest["selection"]["span_count_search"]["chosen"] == 1
-    assert eight.manifest["removed_blocks"] == list(range(12, 20))
