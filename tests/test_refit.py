@@ -7,15 +7,19 @@ silently approximated; the output is a plain checkpoint of the same size."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
-from conftest import generate_without_blockfold, random_calibration, silence_blocks, tiny_folder_and_corpus, tiny_model, tiny_tokenizer
+from conftest import (generate_without_blockfold, random_calibration, shared_file, silence_blocks, tiny_folder_and_corpus,
+                      tiny_model, tiny_tokenizer)
 
 import blockfold
 from blockfold.adapters import get_adapter
 from blockfold.cli import main
 from blockfold.errors import BlockfoldError
-from blockfold.recipe import Recipe
+from blockfold.data import build_calibration
+from blockfold.recipe import CalibrationConfig, Recipe
 
 
 @pytest.mark.parametrize("refit", ["down", "attn+down"])
@@ -145,6 +149,8 @@ def test_a_version_7_recipe_keeps_folding_the_map_alone():
 def test_refit_settings_are_refused_where_they_would_do_nothing():
     with pytest.raises(BlockfoldError, match="--refit down"):
         Recipe.parse({"method": "replaceme", "blocks": 2, "refit": "none", "refit_blocks": 3})
+    with pytest.raises(BlockfoldError, match="refit_scale"):
+        Recipe.parse({"method": "replaceme", "blocks": 2, "refit": "none", "refit_scale": True})
     with pytest.raises(BlockfoldError, match="greedy"):
         Recipe.parse({"method": "replaceme", "blocks": 2, "greedy": True, "refit": "down"})
     with pytest.raises(BlockfoldError, match="refit"):
@@ -170,3 +176,82 @@ def test_refit_blocks_counts_from_the_block_before_each_span(tmp_path):
     assert [entry["block"] for entry in result.manifest["refit"]["blocks"]] == [0, 2]  # 0-based, compressed model
     card = (result.save(tmp_path / "out") / "README.md").read_text()
     assert "down-projections of blocks 0, 2 of the result were refitted" in card
+
+
+def test_the_stream_scale_solve_recovers_a_planted_weight_and_scale():
+    """Sums split across two batches (as across processes) give the joint least squares exactly."""
+    from blockfold.stats.reconstruction import ProjectionEquations
+
+    generator = torch.Generator().manual_seed(0)
+    inputs, kept = torch.randn(300, 12, generator=generator, dtype=torch.float64), torch.randn(300, 5, generator=generator,
+                                                                                                 dtype=torch.float64)
+    weight = torch.randn(12, 5, generator=generator, dtype=torch.float64)
+    targets = inputs @ weight + 0.37 * kept  # the kept part should be 1.37 times as large
+    equations, other = ProjectionEquations(), ProjectionEquations()
+    equations.add(inputs[:100], targets[:100], kept=kept[:100])
+    other.add(inputs[100:], targets[100:], kept=kept[100:])
+    fitted, scale, residual = equations.merge(other).stream_scale(0.0, torch.zeros(12, 5, dtype=torch.float64))
+    assert scale == pytest.approx(1.37, abs=1e-9)
+    assert torch.allclose(fitted, weight, atol=1e-9) and residual < 1e-12
+    noisy = targets + 0.3 * torch.randn(300, 5, generator=generator, dtype=torch.float64)
+    equations = ProjectionEquations()
+    equations.add(inputs, noisy, kept=kept)
+    fitted, scale, residual = equations.stream_scale(0.0, torch.zeros(12, 5, dtype=torch.float64))
+    for nudge in (-0.01, 0.01):  # no other scale, with its own best weight, fits better
+        shifted = noisy - (scale - 1 + nudge) * kept
+        best = torch.linalg.lstsq(inputs, shifted).solution
+        assert (shifted - inputs @ best).pow(2).sum() > residual * noisy.pow(2).sum()
+
+
+def test_the_stream_scale_is_folded_into_every_later_block_and_reaches_the_fitted_error(smollm2):
+    """On SmolLM2-135M (a random model's span leaves no magnitude gap to fit) the refit asks for the
+    stream after block 11 ``s`` times as large and writes ``1/s`` on every later block's output
+    projections (the same function: every later block and the final norm read the stream through a
+    scale-invariant norm). Checked through forward passes: ``s`` times the compressed stream there is
+    as far from the original stream after the span as the fit says, and every later writer is the
+    unscaled compression's divided by ``s``."""
+    config = CalibrationConfig(source=str(shared_file("c4_demo.jsonl")), num_sequences=8, sequence_length=128)
+    calibration = build_calibration(config, smollm2.tokenizer)
+    original, plain, scaled = (copy.deepcopy(smollm2.model) for _ in range(3))
+    recipe = dict(blocks=8, span_start=12, refit="down", refit_blocks=1)
+    blockfold.compress(plain, smollm2.tokenizer, blockfold.ReplaceMe(**recipe), calibration=calibration)
+    result = blockfold.compress(scaled, smollm2.tokenizer, blockfold.ReplaceMe(**recipe, refit_scale=True),
+                                calibration=calibration)
+    entry = result.manifest["refit"]["blocks"][0]
+    scale = entry["stream_scale"]
+    assert abs(scale - 1) > 0.005 and entry["relative_error_after"] < entry["relative_error_before"]
+    adapter = get_adapter(scaled)
+    for index in range(12, len(adapter.layers(scaled))):
+        for name in ("self_attn.o_proj.weight", "mlp.down_proj.weight"):
+            got = adapter.layers(scaled)[index].get_parameter(name)
+            assert torch.allclose(got, adapter.layers(plain)[index].get_parameter(name) / scale, rtol=1e-5, atol=1e-8)
+    captured = {}
+
+    def keep(name):
+        return lambda module, args, output: captured.__setitem__(name, output[0] if isinstance(output, tuple) else output)
+
+    hooks = [adapter.layers(original)[19].register_forward_hook(keep("after_span")),
+             adapter.layers(scaled)[11].register_forward_hook(keep("compressed")),
+             adapter.down_proj(adapter.layers(scaled)[11]).register_forward_hook(keep("down"))]
+    error = wanted = 0.0
+    with torch.no_grad():
+        for batch in calibration:
+            original(batch.input_ids), scaled(batch.input_ids)
+            kept = captured["compressed"] - captured["down"]
+            error += float((scale * captured["compressed"] - captured["after_span"]).double().pow(2).sum())
+            wanted += float((captured["after_span"] - kept).double().pow(2).sum())
+    for hook in hooks:
+        hook.remove()
+    assert error / wanted == pytest.approx(entry["relative_error_after"], rel=1e-3)
+
+
+def test_with_the_stream_scale_the_gap_block_fits_at_least_as_well_as_without():
+    """One more free scalar: on the same sums the joint fit cannot be worse than the plain refit's."""
+    calibration = random_calibration(num_sequences=16, length=32)
+    errors = {}
+    for scaled in (False, True):
+        result = blockfold.compress(tiny_model("qwen2"), tiny_tokenizer(),
+                                    blockfold.ReplaceMe(blocks=2, span_start=2, refit="down", refit_scale=scaled),
+                                    calibration=calibration)
+        errors[scaled] = result.manifest["refit"]["blocks"][0]["relative_error_after"]
+    assert errors[True] <= errors[False] + 1e-12

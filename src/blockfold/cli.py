@@ -29,7 +29,7 @@ SETTINGS_FLAGS = {
     "merge_layers": "merge_layers", "similarity_sequences": "similarity_sequences", "patch": "patch",
     "train_steps": "train_steps", "train_lr": "learning_rate",
     "refit": "refit", "refit_blocks": "refit_blocks", "refit_ridge": "refit_ridge",
-    "refit_weighting": "refit_weighting",
+    "refit_weighting": "refit_weighting", "refit_scale": "refit_scale",
     "span_scoring": "span_scoring",
 }
 # CLI flag → field of the calibration config
@@ -173,6 +173,9 @@ def _add_compress(sub) -> None:
                                                      "to the mean input energy (default 0.01)")
     p.add_argument("--refit-weighting", choices=_choices("refit_weighting"),
                    help="replaceme --refit: each token's error as it is (none) or relative to the stream (stream)")
+    p.add_argument("--refit-scale", action=argparse.BooleanOptionalAction, default=None,
+                   help="replaceme --refit: fit one scalar on the stream after each span with the refit of the block "
+                        "before it, folded into the later blocks' output projections (no parameter added)")
     p.add_argument("--sandwich-fold", choices=["auto", "compare", "linearized-norm", "through-norm"],
                    help="Gemma-style post-MLP norms: how to fold the map (default auto: linearized-norm, through-norm "
                         "where that fit fails; compare: the lower loss on held-out calibration tokens)")

@@ -180,7 +180,8 @@ def plan_for(spec: str, recipe: Recipe, execution: Execution, accelerator_memory
         passes += build[counts[0]] if len(counts) == 1 else sum(b + 1 for b in build.values()) + max(build.values())
         if refit:
             intermediate = getattr(model.config, "intermediate_size", None) or 4 * d
-            refit_sums = intermediate * (intermediate + d) * 8
+            # AᵀA and AᵀR; with the stream scale also AᵀH (the rest of the block's output)
+            refit_sums = intermediate * (intermediate + (2 if settings.refit_scale else 1) * d) * 8
             sums = max(sums, refit_sums)
             notes.append(f"refit: {gib(refit_sums)} of sums per down-projection, and the original and compressed "
                          f"streams kept for all calibration tokens ({gib(3 * tokens * d * element)})")

@@ -173,6 +173,10 @@ class ReplaceMe(SpanSelection):
     refit_ridge: float = Field(1e-2, ge=0)
     # each token's squared error as it is (none) or relative to the original stream's energy there (stream)
     refit_weighting: Literal["none", "stream"] = "none"
+    # the refit of the block before each span also fits one scalar on the rest of the stream it writes
+    # (the span's magnitude gap, Prune&Comp's compensation fitted jointly with the weight, in closed
+    # form), folded as 1/scale into the writes of every later block: exact under scale-invariant norms
+    refit_scale: bool = False
 
     @model_validator(mode="after")
     def _consistent(self):
@@ -181,9 +185,9 @@ class ReplaceMe(SpanSelection):
         if self.refit == "none":
             defaults = type(self).model_fields
             if (self.refit_blocks is not None or self.refit_ridge != defaults["refit_ridge"].default
-                    or self.refit_weighting != defaults["refit_weighting"].default):
-                raise ValueError("refit_blocks, refit_ridge and refit_weighting apply to a refit: add --refit down, "
-                                 "or drop them")
+                    or self.refit_weighting != defaults["refit_weighting"].default or self.refit_scale):
+                raise ValueError("refit_blocks, refit_ridge, refit_weighting and refit_scale apply to a refit: add "
+                                 "--refit down, or drop them")
         elif self.refit_blocks is None:
             self.refit_blocks = 2
         if self.refit != "none" and self.greedy:

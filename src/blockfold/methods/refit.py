@@ -51,6 +51,7 @@ from blockfold.methods.base import Job
 from blockfold.pipelines import LayerProgram
 from blockfold.pipelines.buffers import ActivationStore
 from blockfold.stats.reconstruction import ProjectionEquations
+from blockfold.surgery import scale_block_output
 
 logger = logging.getLogger(__name__)
 
@@ -69,8 +70,9 @@ class DownstreamRefit:
     """
 
     def __init__(self, job: Job, spans: list[RemovedSpan], blocks: int, ridge: float, weighting: str = "none",
-                 attention: bool = False):
+                 attention: bool = False, stream_scale: bool = False):
         self.job, self.blocks, self.ridge, self.weighting, self.attention = job, blocks, ridge, weighting, attention
+        self.stream_scale = stream_scale
         self.spans = sorted(spans, key=lambda span: span.start)
         self.batches, _ = distributed.shard(list(job.calibration), distributed.current())
         self.store: ActivationStore | None = None
@@ -132,6 +134,7 @@ class DownstreamRefit:
             program.set_hidden(number, store.get(f"input:{number}"))
             store.put(f"original:{number}", store.get(f"input:{number}"))
         report = []
+        scale = 1.0  # the product of the stream scales folded so far: the compressed stream is the original's / scale
         show = distributed.current().is_main
         for index in tqdm(range(first, last + 1), desc="refit: output projections", unit="layer", disable=not show):
             with program.layer(index) as (block, run):
@@ -147,7 +150,7 @@ class DownstreamRefit:
                         store.put(f"middle:{number}", source + captured["output"])
                     elif index not in gap_blocks:
                         output = run(source, number)
-                    store.put(f"original:{number}", store.get(f"after{gap_blocks[index]}:{number}")
+                    store.put(f"original:{number}", store.get(f"after{gap_blocks[index]}:{number}") / scale
                               if index in gap_blocks else output)
                 if reason is not None:
                     report.append({"block": index, "skipped": reason})
@@ -157,8 +160,12 @@ class DownstreamRefit:
                         entry["attention"] = self._refit_projection(program, attention, run, "middle", True)
                     elif attention is not None:
                         entry["attention"] = {"skipped": attention}
-                    report.append({**entry, **self._refit_projection(program, job.adapter.down_proj(block), run,
-                                                                     "original", False)})
+                    scaled = self.stream_scale and index in gap_blocks
+                    entry |= self._refit_projection(program, job.adapter.down_proj(block), run, "original", False, scaled)
+                    if scaled:
+                        self._fold_stream_scale(index, entry["stream_scale"])
+                        scale *= entry["stream_scale"]
+                    report.append(entry)
                 for number in range(len(self.batches)):
                     program.set_hidden(number, run(program.hidden(number), number))
         job.runner.passes += 1
@@ -168,7 +175,17 @@ class DownstreamRefit:
                         "(mean over blocks)", len(refitted), sum(e["relative_error_before"] for e in refitted) / len(refitted),
                         sum(e["relative_error_after"] for e in refitted) / len(refitted))
         return {"projection": projection, "ridge": self.ridge, "weighting": self.weighting, "blocks": report,
-                "note": "block indices are the compressed model's"}
+                "stream_scale": self.stream_scale, "note": "block indices are the compressed model's"}
+
+    def _fold_stream_scale(self, gap: int, factor: float) -> None:
+        """The refit of block ``gap`` asked for the stream after it ``factor`` times as large: every later
+        block's writes are scaled by ``1/factor`` instead (each block and the final norm read the stream
+        through a scale-invariant norm, so this is the same function), and the original streams the later
+        blocks are fitted to are divided by it."""
+        for later in self.job.handle.layers()[gap + 1:]:
+            scale_block_output(self.job.handle, later, 1.0 / factor)
+        for number in range(len(self.batches)):
+            self.store.put(f"original:{number}", self.store.get(f"original:{number}") / factor)
 
     def _not_refittable(self, block: nn.Module) -> str | None:
         adapter = self.job.adapter
@@ -188,11 +205,14 @@ class DownstreamRefit:
         except BlockfoldError:
             return "no attention output projection (a linearized attention)"
 
-    def _refit_projection(self, program: LayerProgram, linear: nn.Linear, run, target: str, middle: bool) -> dict:
+    def _refit_projection(self, program: LayerProgram, linear: nn.Linear, run, target: str, middle: bool,
+                          scaled: bool = False) -> dict:
         """Refit ``linear`` so that the stream it writes to reaches the stored original ``target``: the
         block's output, or with ``middle`` the stream right after the projection's add (the block's input
         plus its output). Sums over this process's batches, reduced across processes; the ridge solve is
-        toward the current weight and the new weight is written as an edit."""
+        toward the current weight and the new weight is written as an edit. With ``scaled`` a scalar on
+        the rest of the block's output is fitted with the weight; the weight written is divided by it
+        (the caller folds the scalar into the later blocks) and the entry gives it as ``stream_scale``."""
         job, store = self.job, self.store
         equations = ProjectionEquations()
         for number, mask in enumerate(program.masks):
@@ -208,16 +228,27 @@ class DownstreamRefit:
             weights = None
             if self.weighting == "stream":  # each token's error relative to the stream it is added to
                 weights = 1.0 / stream.pow(2).mean(-1).clamp_min(torch.finfo(torch.float64).tiny)
-            equations.add(captured["inputs"][mask], wanted, weights)
+            kept = reached[mask].double() - contribution if scaled else None
+            equations.add(captured["inputs"][mask], wanted, weights, kept)
         distributed.reduce_observers([equations], distributed.current())
         sums = equations.finalize()
         current = linear.weight.detach().double().T  # (in, out)
         ridge = self.ridge * float(sums.xtx.diagonal().mean())
-        refitted, _ = solve_normal_equations(sums.xtx, sums.xty + ridge * current, ridge)
+        result = {"relative_error_before": sums.relative_residual(current), "tokens": sums.tokens}
+        if scaled:
+            refitted, factor, result["relative_error_after"] = equations.stream_scale(ridge, current)
+            if not factor > 0:  # a flipped stream cannot be folded through the later norms
+                logger.warning("block refit asked for a stream scale of %.4g; keeping the plain refit", factor)
+                refitted, _ = solve_normal_equations(sums.xtx, sums.xty + ridge * current, ridge)
+                result["relative_error_after"], factor = sums.relative_residual(refitted), 1.0
+            result["stream_scale"] = factor
+            refitted = refitted / factor
+        else:
+            refitted, _ = solve_normal_equations(sums.xtx, sums.xty + ridge * current, ridge)
+            result["relative_error_after"] = sums.relative_residual(refitted)
         new_weight = refitted.T.to("cpu", job.handle.dtype).contiguous()
         job.handle.transform(linear, "weight", lambda weight: new_weight.to(weight.device, weight.dtype))
-        return {"relative_error_before": sums.relative_residual(current), "relative_error_after": sums.relative_residual(refitted),
-                "tokens": sums.tokens}
+        return result
 
 
 @contextlib.contextmanager
