@@ -120,6 +120,9 @@ def main() -> None:
     parser.add_argument("--sleb-sequences", type=int, default=4,
                         help="SLEB alone calibrates on this many sequences of 256 tokens: it scores every "
                              "remaining block with the whole model's loss at every step (issue #3's setting)")
+    parser.add_argument("--num-seqs", type=int, default=64,
+                        help="calibration sequences of 512 tokens from the same documents 0-127 (the recipe: 64; "
+                             "they hold 142)")
     args = parser.parse_args()
     tasks = [task for task in args.tasks.split(",") if task]
     dtype = evaluation_dtype(args.eval_dtype, args.device)
@@ -129,7 +132,8 @@ def main() -> None:
                "blocks": args.blocks, "rows": []}
     loaded = blockfold.load_model(args.model, device=args.device)
     calibration = build_calibration(CalibrationConfig(source=str(DATA / "c4_demo.jsonl"),
-                                                      max_documents=CALIBRATION_DOCUMENTS), loaded.tokenizer)
+                                                      max_documents=CALIBRATION_DOCUMENTS,
+                                                      num_sequences=args.num_seqs), loaded.tokenizer)
     sleb_calibration = build_calibration(CalibrationConfig(source=str(DATA / "c4_demo.jsonl"),
                                                            max_documents=CALIBRATION_DOCUMENTS,
                                                            num_sequences=args.sleb_sequences, sequence_length=256),

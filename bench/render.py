@@ -586,10 +586,14 @@ def _perplexity(value: float) -> str:
 
 
 def _method_label(row: dict) -> str:
-    """The row's method spec; a ReplaceMe row that refitted nothing says so (recipe version 8 refits by default)."""
+    """The row's method spec; a ReplaceMe row that refitted nothing says so (recipe version 8 refits by
+    default), and one that refitted without the stream scale, which version 9 fits by default, too."""
     settings = (row.get("recipe") or {}).get("settings") or {}
     if row["method"].split(":")[0] == "replaceme" and settings.get("refit", "none") == "none":
         return row["method"] + " (no refit)"
+    refitted = any("skipped" not in entry for entry in (row.get("refit") or {}).get("blocks", []))
+    if row["method"].split(":")[0] == "replaceme" and refitted and not settings.get("refit_scale", False):
+        return row["method"] + " (no scale)"
     return row["method"]
 
 
@@ -761,7 +765,8 @@ SECTIONS: dict[str, tuple[str | tuple[str, ...], Callable]] = {
                  render_accuracy),
     "vision": ("vision.json", render_vision),
     "refit": (("new_methods_part2.json", "refit_study_part1.json", "refit_study_part2.json", "refit_study_part3.json",
-               "refit_study_part4.json", "refit_validation_4.json", "refit_validation_12.json", "refit_validation_12_plain.json"),
+               "refit_study_part4.json", "refit_validation_4.json", "refit_validation_12.json", "refit_validation_12_plain.json",
+               "refit_scale_8.json", "refit_scale_4.json", "refit_scale_12.json"),
               render_refit),
     "packing": ("calibration_packing.json", render_packing),
     "healing": (("healing.json", "healing_v3_through_norm.json"), render_healing),

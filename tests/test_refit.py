@@ -87,13 +87,15 @@ def test_the_refit_lowers_the_error_of_every_block_and_of_the_output(arch, refit
                       "model.layers.2.self_attn.o_proj.weight"}),
 ])
 def test_refit_blocks_limits_the_refit_and_the_rest_stays_plain_replaceme(refit, blocks, expected):
-    """The block before the span reads the original stream, so its attention is left alone."""
+    """The block before the span reads the original stream, so its attention is left alone. (Without the
+    stream scale, which rescales every later writer by design: the scale's own test checks those.)"""
     calibration = random_calibration()
     plain, limited = tiny_model("llama"), tiny_model("llama")
     blockfold.compress(plain, tiny_tokenizer(), blockfold.ReplaceMe(blocks=2, span_start=2, refit="none"),
                        calibration=calibration)
     result = blockfold.compress(limited, tiny_tokenizer(), blockfold.ReplaceMe(blocks=2, span_start=2, refit=refit,
-                                                                               refit_blocks=blocks), calibration=calibration)
+                                                                               refit_blocks=blocks, refit_scale=False),
+                                calibration=calibration)
     assert [entry["block"] for entry in result.manifest["refit"]["blocks"]] == list(range(1, 1 + blocks))
     changed = {name for (name, a), (_, b) in zip(plain.state_dict().items(), limited.state_dict().items())
                if not torch.equal(a, b)}
@@ -131,16 +133,28 @@ def test_blocks_it_cannot_refit_exactly_are_named_and_left_as_they_are(arch, rea
 
 
 def test_the_default_refits_two_blocks_per_span_except_where_it_cannot_apply():
-    assert (blockfold.ReplaceMe().refit, blockfold.ReplaceMe().refit_blocks) == ("down", 2)
-    assert blockfold.ReplaceMe(greedy=True).refit == "none"
+    default = blockfold.ReplaceMe()
+    assert (default.refit, default.refit_blocks, default.refit_scale) == ("down", 2, True)
+    assert (blockfold.ReplaceMe(greedy=True).refit, blockfold.ReplaceMe(greedy=True).refit_scale) == ("none", False)
     assert blockfold.ReplaceMe(estimator="identity").refit == "none"  # plain removal stays plain
     saved = Recipe.parse({"method": "replaceme", "blocks": 2, "refit": "none"}).model_dump(mode="json")
     assert Recipe.parse(saved).settings.refit == "none"  # a saved recipe replays (its defaults included)
+    saved = Recipe.parse({"method": "replaceme", "blocks": 2, "refit_scale": False}).model_dump(mode="json")
+    assert Recipe.parse(saved).settings.refit_scale is False
+
+
+def test_a_version_8_recipe_refits_the_weights_alone():
+    migrated = Recipe.parse({"recipe_version": 8, "method": "replaceme", "settings": {"blocks": 2}})
+    assert (migrated.settings.refit, migrated.settings.refit_scale) == ("down", False)
+    assert migrated.recipe_version == 9
+    explicit = Recipe.parse({"recipe_version": 8, "method": "replaceme", "settings": {"blocks": 2, "refit_scale": True}})
+    assert explicit.settings.refit_scale is True
 
 
 def test_a_version_7_recipe_keeps_folding_the_map_alone():
     migrated = Recipe.parse({"recipe_version": 7, "method": "replaceme", "settings": {"blocks": 2}})
     assert migrated.settings.refit == "none" and migrated.settings.refit_blocks is None
+    assert migrated.settings.refit_scale is False
     explicit = Recipe.parse({"recipe_version": 7, "method": "replaceme", "settings": {"blocks": 2, "refit": "down",
                                                                                      "refit_blocks": 3}})
     assert explicit.settings.refit == "down" and explicit.settings.refit_blocks == 3
@@ -176,6 +190,7 @@ def test_refit_blocks_counts_from_the_block_before_each_span(tmp_path):
     assert [entry["block"] for entry in result.manifest["refit"]["blocks"]] == [0, 2]  # 0-based, compressed model
     card = (result.save(tmp_path / "out") / "README.md").read_text()
     assert "down-projections of blocks 0, 2 of the result were refitted" in card
+    assert "The refit of block 0, block 2 also fitted the stream's scale after it" in card
 
 
 def test_the_stream_scale_solve_recovers_a_planted_weight_and_scale():
@@ -214,7 +229,7 @@ def test_the_stream_scale_is_folded_into_every_later_block_and_reaches_the_fitte
     calibration = build_calibration(config, smollm2.tokenizer)
     original, plain, scaled = (copy.deepcopy(smollm2.model) for _ in range(3))
     recipe = dict(blocks=8, span_start=12, refit="down", refit_blocks=1)
-    blockfold.compress(plain, smollm2.tokenizer, blockfold.ReplaceMe(**recipe), calibration=calibration)
+    blockfold.compress(plain, smollm2.tokenizer, blockfold.ReplaceMe(**recipe, refit_scale=False), calibration=calibration)
     result = blockfold.compress(scaled, smollm2.tokenizer, blockfold.ReplaceMe(**recipe, refit_scale=True),
                                 calibration=calibration)
     entry = result.manifest["refit"]["blocks"][0]

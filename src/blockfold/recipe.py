@@ -5,7 +5,8 @@ and the calibration data. It is saved next to every output with every default re
 can be repeated, and a report rebuilt, from the output folder alone. (Where and in what precision
 a job runs is not the recipe's business: see ``runtime.Execution``.)
 
-Version 8 (this one): ReplaceMe refits the down-projections of the block before each span and the
+Version 9 (this one): ReplaceMe's refit also fits the stream's scale after each span
+(``refit_scale: true``); a version 8 or older recipe refits the weights alone. Version 8: ReplaceMe refits the down-projections of the block before each span and the
 next one to the original stream (``refit: down``, ``refit_blocks: 2``); a version 7 or older recipe
 folds the map alone (``refit: none``). Version 7: ReplaceMe scores candidate spans with the unconstrained least-squares map
 whatever its estimator folds (``span_scoring: lstsq``); a version 6 or older recipe keeps scoring with
@@ -33,7 +34,7 @@ from blockfold.errors import BlockfoldError
 from blockfold.schema import Strict
 from blockfold.settings import SETTINGS, MethodSettings
 
-RECIPE_VERSION = 8
+RECIPE_VERSION = 9
 
 
 class CalibrationConfig(Strict):
@@ -111,7 +112,7 @@ class Recipe(Strict):
     a flat field the method does not have is an error naming the method's own settings.
     """
 
-    recipe_version: Literal[8] = RECIPE_VERSION
+    recipe_version: Literal[9] = RECIPE_VERSION
     method: str = "replaceme"
     settings: SerializeAsAny[MethodSettings]
     calibration: CalibrationConfig = Field(default_factory=CalibrationConfig)
@@ -136,6 +137,8 @@ class Recipe(Strict):
             data = _migrate_v6(data)
         if data.get("recipe_version") == 7:
             data = _migrate_v7(data)
+        if data.get("recipe_version") == 8:
+            data = _migrate_v8(data)
         method = data.get("method", "replaceme")
         if method not in SETTINGS:
             raise ValueError(f"unknown method {method!r}; choose one of {', '.join(sorted(SETTINGS))}")
@@ -263,6 +266,15 @@ def _migrate_v7(data: dict) -> dict:
     settings = data.get("settings") or {}
     if isinstance(settings, dict) and data.get("method", "replaceme") == "replaceme" and "refit" not in settings:
         settings = {**settings, "refit": "none"}
+    return {**data, "recipe_version": 8, "settings": settings}
+
+
+def _migrate_v8(data: dict) -> dict:
+    """A version 8 recipe as version 9: ReplaceMe's refit fitted the weights alone; version 9 also fits
+    the stream's scale after each span (where a refit runs)."""
+    settings = data.get("settings") or {}
+    if isinstance(settings, dict) and data.get("method", "replaceme") == "replaceme" and "refit_scale" not in settings:
+        settings = {**settings, "refit_scale": False}
     return {**data, "recipe_version": RECIPE_VERSION, "settings": settings}
 
 

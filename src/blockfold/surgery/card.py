@@ -73,6 +73,11 @@ def _what_was_done(manifest: dict) -> str:
             text += (f" Then the down-projections of blocks {', '.join(map(str, refitted))} of the result were refitted, "
                      "layer by layer in closed form, so that each block's output on the compressed model's inputs "
                      "matches the original model's residual stream at that depth.")
+            scales = [entry for entry in manifest["refit"]["blocks"] if "stream_scale" in entry]
+            if scales:
+                text += (" The refit of " + ", ".join(f"block {entry['block']}" for entry in scales) + " also fitted the "
+                         "stream's scale after it (" + ", ".join(f"{entry['stream_scale']:.4g}" for entry in scales)
+                         + "), folded as its inverse into every later block's output projections.")
         text += " No parameters were added."
     elif manifest.get("collapsed"):
         merges = "; ".join(f"blocks {', '.join(map(str, merge['blocks']))} into block {merge['into']}"
