@@ -175,7 +175,8 @@ def _add_compress(sub) -> None:
                    help="replaceme --refit: each token's error as it is (none) or relative to the stream (stream)")
     p.add_argument("--refit-scale", action=argparse.BooleanOptionalAction, default=None,
                    help="replaceme --refit: fit one scalar on the stream after each span with the refit of the block "
-                        "before it, folded into the later blocks' output projections (no parameter added)")
+                        "before it, folded into the later blocks' output projections, no parameter added (the default; "
+                        "--no-refit-scale: the weights alone, as recipe version 8)")
     p.add_argument("--sandwich-fold", choices=["auto", "compare", "linearized-norm", "through-norm"],
                    help="Gemma-style post-MLP norms: how to fold the map (default auto: linearized-norm, through-norm "
                         "where that fit fails; compare: the lower loss on held-out calibration tokens)")
