@@ -28,6 +28,13 @@ adds) matches the original model's at that point; the down-projection is then re
 attention weights in place (not in the block before the first span, which reads the original
 stream). Still no parameter added.
 
+With ``stream_scale`` (recipe version 9's default) the refit of the block before each span also
+fits one scalar ``s`` on the rest of that block's output (its input plus its attention output), jointly
+with the weight and in closed form: the span's magnitude gap, which a map on the MLP output cannot
+close. The block writes ``W/s`` and every later block's writes are scaled by ``1/s``; every later block
+and the final norm read the stream through a scale-invariant norm, so this is the stream ``s`` times
+as large, with no parameter added and a tied embedding left alone. Later targets are divided by ``s``.
+
 A block whose MLP output passes a norm before the residual add (Gemma's sandwich blocks) or is a
 mixture of experts is run but not refitted (the least squares above needs the projection's output
 added to the stream as it is); the manifest lists such blocks. For the same reason an attention
