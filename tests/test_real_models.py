@@ -218,8 +218,8 @@ def test_smollm2_spans_auto_takes_two_spans_at_12_blocks(smollm2):
     --spans auto must see it through the loss on its held-out calibration sequences, and the model it
     keeps must be the better one on text it was not chosen on. (At 8 blocks it kept the single span,
     12-19, when this test also ran that search at 1ab5b38; with it the test took 28 minutes on 2 cores,
-    so the 8-block search is left to the benchmark, `bench/new_methods.py --blocks 8 --methods
-    'replaceme:spans=auto'`, not yet recorded in BENCHMARKS.md.)"""
+    so the 8-block search is left to the benchmark: `bench/results/spans_auto_8.json`, BENCHMARKS.md
+    "How many spans", kept the single span again at 724a7e1.)"""
     from blockfold.methods import PassCache
 
     config, calibration, _ = _setup(smollm2, 64, 512, 1, max_documents=128)
