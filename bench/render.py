@@ -588,11 +588,13 @@ def _perplexity(value: float) -> str:
 def _method_label(row: dict) -> str:
     """The row's method spec; a ReplaceMe row that refitted nothing says so (recipe version 8 refits by
     default), and one that refitted without the stream scale, which version 9 fits by default, too."""
+    if row["method"].split(":")[0] != "replaceme":
+        return row["method"]
     settings = (row.get("recipe") or {}).get("settings") or {}
-    if row["method"].split(":")[0] == "replaceme" and settings.get("refit", "none") == "none":
+    if settings.get("refit", "none") == "none":
         return row["method"] + " (no refit)"
     refitted = any("skipped" not in entry for entry in (row.get("refit") or {}).get("blocks", []))
-    if row["method"].split(":")[0] == "replaceme" and refitted and not settings.get("refit_scale", False):
+    if refitted and not settings.get("refit_scale", False):
         return row["method"] + " (no scale)"
     return row["method"]
 

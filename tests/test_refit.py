@@ -218,6 +218,22 @@ def test_the_stream_scale_solve_recovers_a_planted_weight_and_scale():
         assert (shifted - inputs @ best).pow(2).sum() > residual * noisy.pow(2).sum()
 
 
+def test_a_stream_scale_that_would_flip_the_stream_falls_back_to_the_plain_refit():
+    """A scale of zero or below cannot pass the later norms: the weight alone is fitted, with s = 1."""
+    from blockfold.stats.reconstruction import ProjectionEquations
+
+    generator = torch.Generator().manual_seed(0)
+    inputs, kept = torch.randn(300, 12, generator=generator, dtype=torch.float64), torch.randn(300, 5, generator=generator,
+                                                                                                 dtype=torch.float64)
+    targets = inputs @ torch.randn(12, 5, generator=generator, dtype=torch.float64) - 1.5 * kept  # asks for s = -0.5
+    equations = ProjectionEquations()
+    equations.add(inputs, targets, kept=kept)
+    fitted, scale, residual = equations.stream_scale(0.0, torch.zeros(12, 5, dtype=torch.float64))
+    plain = torch.linalg.lstsq(inputs, targets).solution
+    assert scale == 1.0 and torch.allclose(fitted, plain, atol=1e-9)
+    assert residual == pytest.approx(float((targets - inputs @ plain).pow(2).sum() / targets.pow(2).sum()), rel=1e-9)
+
+
 def test_the_stream_scale_is_folded_into_every_later_block_and_reaches_the_fitted_error(smollm2):
     """On SmolLM2-135M (a random model's span leaves no magnitude gap to fit) the refit asks for the
     stream after block 11 ``s`` times as large and writes ``1/s`` on every later block's output

@@ -244,10 +244,6 @@ class DownstreamRefit:
         result = {"relative_error_before": sums.relative_residual(current), "tokens": sums.tokens}
         if scaled:
             refitted, factor, result["relative_error_after"] = equations.stream_scale(ridge, current)
-            if not factor > 0:  # a flipped stream cannot be folded through the later norms
-                logger.warning("block refit asked for a stream scale of %.4g; keeping the plain refit", factor)
-                refitted, _ = solve_normal_equations(sums.xtx, sums.xty + ridge * current, ridge)
-                result["relative_error_after"], factor = sums.relative_residual(refitted), 1.0
             result["stream_scale"] = factor
             refitted = refitted / factor
         else:

@@ -9,10 +9,14 @@ also serve ``min_{W,β} ‖A W + β H − R‖²``: a scalar on the whole stream
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from blockfold.estimate.lstsq import solve_normal_equations
 from blockfold.stats.spans import NormalEquations
+
+logger = logging.getLogger(__name__)
 
 
 class ProjectionEquations:
@@ -70,15 +74,20 @@ class ProjectionEquations:
         the kept part, and the relative residual ``‖A W + (s − 1) H − R‖² / ‖R‖²``. For each ``s`` the
         weight is the ridge solve for the target ``R − (s − 1) H``, linear in ``s``; the optimal ``s``
         makes the residual orthogonal to ``H`` (closed form). ``s = 1`` (the plain refit) where ``H``
-        lies in the span of ``A``."""
+        lies in the span of ``A``, and where the optimum is ``s <= 0``: a flipped or vanished stream
+        cannot be folded through the later blocks' norms. Both solves share one factorization."""
         if self._xth is None:
             raise ValueError("stream_scale needs the kept rows: pass kept= to add()")
-        fitted, _ = solve_normal_equations(self._xtx, self._xty + ridge * current, ridge)
-        through_kept, _ = solve_normal_equations(self._xtx, self._xth, ridge)
+        outputs = self._xty.shape[1]
+        both, _ = solve_normal_equations(self._xtx, torch.cat([self._xty + ridge * current, self._xth], dim=1), ridge)
+        fitted, through_kept = both[:, :outputs], both[:, outputs:]
         unexplained = self._hth - float((self._xth * through_kept).sum())
         shift = 0.0
         if unexplained > 1e-12 * max(self._hth, 1e-300):
             shift = (self._htr - float((self._xth * fitted).sum())) / unexplained
+        if not shift > -1.0:
+            logger.warning("the refit asked for a stream scale of %.4g; keeping the plain refit", 1.0 + shift)
+            shift = 0.0
         weight = fitted - shift * through_kept
         residual = (self.finalize().residual(weight)
                     - 2 * shift * (self._htr - float((self._xth * weight).sum())) + shift ** 2 * self._hth)
