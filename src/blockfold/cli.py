@@ -166,7 +166,9 @@ def _add_compress(sub) -> None:
     p.add_argument("--refit", choices=_choices("refit"),
                    help="replaceme: after the surgery, refit the down-projections from the block before each span "
                         "onward to the original stream, layer by layer in closed form (down, the default); attn+down: "
-                        "each block's attention output projection first, then its down-projection; none: plain ReplaceMe")
+                        "each block's attention output projection first, then its down-projection; all: also the "
+                        "projections that read each sublayer's normed input (q, k, v, gate, up), fitted so that on the "
+                        "compressed stream they compute what the original block did; none: plain ReplaceMe")
     p.add_argument("--refit-blocks", type=int, help="replaceme --refit: how many blocks per span, from the one before it "
                                                     "(default 2)")
     p.add_argument("--refit-ridge", type=float, help="replaceme --refit: ridge toward the current weights, relative "

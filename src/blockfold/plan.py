@@ -183,8 +183,9 @@ def plan_for(spec: str, recipe: Recipe, execution: Execution, accelerator_memory
             # AᵀA and AᵀR; with the stream scale also AᵀH (the rest of the block's output)
             refit_sums = intermediate * (intermediate + (2 if settings.refit_scale else 1) * d) * 8
             sums = max(sums, refit_sums)
+            copies = 5 if settings.refit == "all" else 3  # "all" also keeps the original's two normed inputs
             notes.append(f"refit: {gib(refit_sums)} of sums per down-projection, and the original and compressed "
-                         f"streams kept for all calibration tokens ({gib(3 * tokens * d * element)})")
+                         f"streams kept for all calibration tokens ({gib(copies * tokens * d * element)})")
         if len(counts) > 1:
             notes.append(f"spans auto: the model built with {', '.join(map(str, counts))} spans on a copy (another "
                          f"{'copy of the weights' if pipeline == 'whole' else 'skeleton over the checkpoint'}), "

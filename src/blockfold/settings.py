@@ -166,7 +166,9 @@ class ReplaceMe(SpanSelection):
     # lower; refitting every later block was worse than none on WikiText-2 (BENCHMARKS.md "Downstream refit").
     # attn+down refits each block's attention output projection first (to the original stream after
     # the attention half), then its down-projection
-    refit: Literal["none", "down", "attn+down"] | None = None
+    # all: also the projections that read each sublayer's normed input (q, k, v; gate, up), fitted so
+    # that on the compressed stream they compute what the original block computed on its own
+    refit: Literal["none", "down", "attn+down", "all"] | None = None
     # how many blocks per span, from the one before it (default 2; a number past the last block refits all)
     refit_blocks: int | None = Field(None, ge=1)
     # ridge toward the current weight, relative to the mean of diag(aᵀa) of the projection's inputs

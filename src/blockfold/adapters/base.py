@@ -148,6 +148,26 @@ class DecoderAdapter:
         """The norm whose output the attention sublayer reads."""
         return getattr(layer, self.input_norm_attr)
 
+    def pre_mlp_norm(self, layer: nn.Module) -> nn.Module:
+        """The norm whose output the MLP reads."""
+        return getattr(layer, self.pre_mlp_norm_attr)
+
+    def input_projections(self, layer: nn.Module, sublayer: str) -> list[nn.Linear]:
+        """The linear layers of ``sublayer`` ("attention" or "mlp") that read its input norm's output
+        (q, k, v; gate, up): every ``nn.Linear`` inside it except those that write its output. A map
+        on the normed input folds into all of them; none where the sublayer has no such layout (an
+        attention replaced by a map)."""
+        if sublayer == "attention":
+            try:
+                outputs = [self.attention_output_projection(layer).module]
+            except BlockfoldError:
+                return []
+            module = self.attention(layer)
+        else:
+            module, outputs = self.mlp(layer), [projection.module for projection in self.mlp_output_projections(layer)]
+        return [linear for linear in module.modules()
+                if isinstance(linear, nn.Linear) and not any(linear is output for output in outputs)]
+
     def attention_contribution_module(self, layer: nn.Module) -> nn.Module:
         """The module whose output (first element) is exactly what attention adds to the residual."""
         return getattr(layer, self.post_attention_norm) if self.post_attention_norm else self.attention(layer)

@@ -77,9 +77,9 @@ class DownstreamRefit:
     """
 
     def __init__(self, job: Job, spans: list[RemovedSpan], blocks: int, ridge: float, weighting: str = "none",
-                 attention: bool = False, stream_scale: bool = False):
+                 attention: bool = False, stream_scale: bool = False, inputs: bool = False):
         self.job, self.blocks, self.ridge, self.weighting, self.attention = job, blocks, ridge, weighting, attention
-        self.stream_scale = stream_scale
+        self.stream_scale, self.inputs = stream_scale, inputs
         self.spans = sorted(spans, key=lambda span: span.start)
         self.batches, _ = distributed.shard(list(job.calibration), distributed.current())
         self.store: ActivationStore | None = None
@@ -126,7 +126,8 @@ class DownstreamRefit:
     def apply(self) -> dict:
         """Refit on the compressed model (the spans removed); returns what was done, per block."""
         job, store = self.job, self.store
-        projection = "attention output + down_proj" if self.attention else "down_proj"
+        projection = ("every projection" if self.inputs else
+                      "attention output + down_proj" if self.attention else "down_proj")
         if self.inapplicable is not None:
             return {"projection": projection, "skipped": self.inapplicable, "blocks": []}
         removed_before, gap_blocks = 0, {}
@@ -147,26 +148,34 @@ class DownstreamRefit:
             with program.layer(index) as (block, run):
                 reason = self._not_refittable(block) if index in refitted_layers else None
                 # the first block reads the original stream: its attention has nothing to correct
-                attention = (self._attention_projection(block)
-                             if self.attention and index in refitted_layers and reason is None and index != first else None)
+                corrected = self.attention and index in refitted_layers and reason is None and index != first
+                attention = self._attention_projection(block) if corrected else None
+                norms = self._input_norms(block) if corrected and self.inputs else {}
                 for number in range(len(self.batches)):  # the original stream through this block as it was
                     source = store.get(f"original:{number}")
-                    if isinstance(attention, nn.Linear):  # and the original stream after its attention half
-                        with _captured(attention) as captured:
+                    if isinstance(attention, nn.Linear) or norms or index not in gap_blocks:
+                        with contextlib.ExitStack() as hooks:  # the stream after its attention half, its normed inputs
+                            captured = hooks.enter_context(_captured(attention)) if isinstance(attention, nn.Linear) else None
+                            normed = {name: hooks.enter_context(_captured(norm)) for name, (norm, _) in norms.items()}
                             output = run(source, number)
-                        store.put(f"middle:{number}", source + captured["output"])
-                    elif index not in gap_blocks:
-                        output = run(source, number)
+                        if captured is not None:
+                            store.put(f"middle:{number}", source + captured["output"])
+                        for name, inputs in normed.items():
+                            store.put(f"{name}-input:{number}", inputs["output"])
                     store.put(f"original:{number}", store.get(f"after{gap_blocks[index]}:{number}") / scale
                               if index in gap_blocks else output)
                 if reason is not None:
                     report.append({"block": index, "skipped": reason})
                 elif index in refitted_layers:
                     entry = {"block": index}
+                    if "attention" in norms:
+                        entry["attention_inputs"] = self._refit_inputs(program, "attention", *norms["attention"], run)
                     if isinstance(attention, nn.Linear):
                         entry["attention"] = self._refit_projection(program, attention, run, "middle", True)
                     elif attention is not None:
                         entry["attention"] = {"skipped": attention}
+                    if "mlp" in norms:
+                        entry["mlp_inputs"] = self._refit_inputs(program, "mlp", *norms["mlp"], run)
                     scaled = self.stream_scale and index in gap_blocks
                     entry |= self._refit_projection(program, job.adapter.down_proj(block), run, "original", False, scaled)
                     if scaled:
@@ -211,6 +220,42 @@ class DownstreamRefit:
             return adapter.attention_output_projection(block).module
         except BlockfoldError:
             return "no attention output projection (a linearized attention)"
+
+    def _input_norms(self, block: nn.Module) -> dict[str, tuple[nn.Module, list[nn.Linear]]]:
+        """Each sublayer whose input projections can be refitted: its input norm and the projections
+        that read that norm's output."""
+        adapter, norms = self.job.adapter, {}
+        for name, norm in (("attention", adapter.input_norm(block)), ("mlp", adapter.pre_mlp_norm(block))):
+            linears = adapter.input_projections(block, name)
+            if linears:
+                norms[name] = (norm, linears)
+        return norms
+
+    def _refit_inputs(self, program: LayerProgram, name: str, norm: nn.Module, linears: list[nn.Linear], run) -> dict:
+        """Fit one map ``M`` from the compressed stream's normed input of a sublayer to the original's
+        (``min ‖n_c M − n_o‖² + λ‖M − I‖²``) and fold it into every projection that reads it (``W ← W Mᵀ``):
+        each projection's output then matches, on the compressed model's inputs, what the original
+        block computed on its own (one solve gives every projection's ridge fit toward its weight,
+        since they share the inputs). Projections that do not read the norm's output as it is (a cast
+        or another input in between) leave the sublayer as it was."""
+        equations = ProjectionEquations()
+        for number, mask in enumerate(program.masks):
+            with contextlib.ExitStack() as hooks:
+                normed = hooks.enter_context(_captured(norm))
+                read = [hooks.enter_context(_captured(linear)) for linear in linears] if number == 0 else []
+                run(program.hidden(number), number)
+            if any(not torch.equal(captured["inputs"], normed["output"]) for captured in read):
+                return {"skipped": "its projections do not read the norm's output as it is"}
+            equations.add(normed["output"][mask], self.store.get(f"{name}-input:{number}")[mask])
+        distributed.reduce_observers([equations], distributed.current())
+        sums = equations.finalize()
+        identity = torch.eye(sums.xtx.shape[0], dtype=torch.float64)
+        ridge = self.ridge * float(sums.xtx.diagonal().mean())
+        correction, _ = solve_normal_equations(sums.xtx, sums.xty + ridge * identity, ridge)
+        for linear in linears:
+            self.job.handle.transform(linear, "weight", lambda weight: weight @ correction.T.to(weight.device))
+        return {"projections": len(linears), "relative_error_before": sums.relative_residual(identity),
+                "relative_error_after": sums.relative_residual(correction), "tokens": sums.tokens}
 
     def _refit_projection(self, program: LayerProgram, linear: nn.Linear, run, target: str, middle: bool,
                           scaled: bool = False) -> dict:
