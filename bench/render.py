@@ -587,16 +587,21 @@ def _perplexity(value: float) -> str:
 
 def _method_label(row: dict) -> str:
     """The row's method spec; a ReplaceMe row that refitted nothing says so (recipe version 8 refits by
-    default), and one that refitted without the stream scale, which version 9 fits by default, too."""
+    default), one that refitted under a default other than today's ``all`` (version 10) names it, and one
+    that refitted without the stream scale, which version 9 fits by default, says so too (a model whose
+    blocks could not be refitted, such as Gemma's sandwich blocks, ran the same whatever the refit)."""
     if row["method"].split(":")[0] != "replaceme":
         return row["method"]
     settings = (row.get("recipe") or {}).get("settings") or {}
     if settings.get("refit", "none") == "none":
         return row["method"] + " (no refit)"
+    notes = []
     refitted = any("skipped" not in entry for entry in (row.get("refit") or {}).get("blocks", []))
+    if refitted and "refit=" not in row["method"] and settings["refit"] != "all":
+        notes.append(f"refit {settings['refit']}")
     if refitted and not settings.get("refit_scale", False):
-        return row["method"] + " (no scale)"
-    return row["method"]
+        notes.append("no scale")
+    return row["method"] + (f" ({', '.join(notes)})" if notes else "")
 
 
 def render_new_methods(parts: list[dict], keep: Callable[[dict], bool] | None = None) -> str:
@@ -768,7 +773,8 @@ SECTIONS: dict[str, tuple[str | tuple[str, ...], Callable]] = {
     "vision": ("vision.json", render_vision),
     "refit": (("new_methods_part2.json", "refit_study_part1.json", "refit_study_part2.json", "refit_study_part3.json",
                "refit_study_part4.json", "refit_validation_4.json", "refit_validation_12.json", "refit_validation_12_plain.json",
-               "refit_scale_8.json", "refit_scale_4.json", "refit_scale_12.json"),
+               "refit_scale_8.json", "refit_scale_4.json", "refit_scale_12.json", "refit_all_8.json", "refit_all_4.json",
+               "refit_all_12.json"),
               render_refit),
     "packing": ("calibration_packing.json", render_packing),
     "healing": (("healing.json", "healing_v3_through_norm.json"), render_healing),

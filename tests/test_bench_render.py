@@ -268,3 +268,17 @@ def test_defaults_verdict_compares_only_the_candidates_that_were_built():
                                          {"candidate": "through-norm", "refused": "not finite"},
                                          {"candidate": "other", "perplexity": {"t": 50.0}}]}
     assert module.verdict(study) == {"t": {"best": "other", "default_over_best": 1.2}}
+
+
+@pytest.mark.parametrize("method, settings, blocks, label", [
+    ("replaceme", {"refit": "all", "refit_scale": True}, [{"block": 11}], "replaceme"),
+    ("replaceme", {"refit": "down", "refit_scale": True}, [{"block": 11}], "replaceme (refit down)"),
+    ("replaceme", {"refit": "down", "refit_scale": False}, [{"block": 11}], "replaceme (refit down, no scale)"),
+    ("replaceme:refit=down", {"refit": "down", "refit_scale": True}, [{"block": 11}], "replaceme:refit=down"),
+    ("replaceme", {"refit": "down", "refit_scale": False}, [{"block": 3, "skipped": "x"}], "replaceme"),
+    ("replaceme:refit=none", {"refit": "none"}, [], "replaceme:refit=none (no refit)"),
+])
+def test_a_replaceme_row_names_what_it_ran_where_todays_default_differs(render, method, settings, blocks, label):
+    """Rows measured under older recipe versions keep the bare name they ran under: the label says which
+    refit they resolved to, so a reader does not take them for today's default (version 10: all)."""
+    assert render._method_label({"method": method, "recipe": {"settings": settings}, "refit": {"blocks": blocks}}) == label

@@ -142,9 +142,10 @@ def test_blocks_it_cannot_refit_exactly_are_named_and_left_as_they_are(arch, rea
         assert torch.equal(a, b), name
 
 
-def test_the_default_refits_two_blocks_per_span_except_where_it_cannot_apply():
+def test_the_default_refits_every_projection_of_three_blocks_per_span_except_where_it_cannot_apply():
     default = blockfold.ReplaceMe()
-    assert (default.refit, default.refit_blocks, default.refit_scale) == ("down", 2, True)
+    assert (default.refit, default.refit_blocks, default.refit_scale) == ("all", 3, True)
+    assert blockfold.ReplaceMe(refit="down").refit_blocks == 2 == blockfold.ReplaceMe(refit="attn+down").refit_blocks
     assert (blockfold.ReplaceMe(greedy=True).refit, blockfold.ReplaceMe(greedy=True).refit_scale) == ("none", False)
     assert blockfold.ReplaceMe(estimator="identity").refit == "none"  # plain removal stays plain
     saved = Recipe.parse({"method": "replaceme", "blocks": 2, "refit": "none"}).model_dump(mode="json")
@@ -155,10 +156,18 @@ def test_the_default_refits_two_blocks_per_span_except_where_it_cannot_apply():
 
 def test_a_version_8_recipe_refits_the_weights_alone():
     migrated = Recipe.parse({"recipe_version": 8, "method": "replaceme", "settings": {"blocks": 2}})
-    assert (migrated.settings.refit, migrated.settings.refit_scale) == ("down", False)
-    assert migrated.recipe_version == 9
+    assert (migrated.settings.refit, migrated.settings.refit_blocks, migrated.settings.refit_scale) == ("down", 2, False)
+    assert migrated.recipe_version == 10
     explicit = Recipe.parse({"recipe_version": 8, "method": "replaceme", "settings": {"blocks": 2, "refit_scale": True}})
     assert explicit.settings.refit_scale is True
+
+
+@pytest.mark.parametrize("settings, refit", [({}, "down"), ({"estimator": "diagonal"}, "none"), ({"greedy": True}, "none"),
+                                             ({"refit": "attn+down"}, "attn+down")])
+def test_a_version_9_recipe_keeps_the_refit_it_resolved_to(settings, refit):
+    migrated = Recipe.parse({"recipe_version": 9, "method": "replaceme", "settings": {"blocks": 2, **settings}})
+    assert migrated.recipe_version == 10 and migrated.settings.refit == refit
+    assert migrated.settings.refit_blocks == (2 if refit != "none" else None)
 
 
 def test_a_version_7_recipe_keeps_folding_the_map_alone():
@@ -201,6 +210,14 @@ def test_refit_blocks_counts_from_the_block_before_each_span(tmp_path):
     card = (result.save(tmp_path / "out") / "README.md").read_text()
     assert "down-projections of blocks 0, 2 of the result were refitted" in card
     assert "The refit of block 0, block 2 also fitted the stream's scale after it" in card
+
+
+def test_the_card_names_the_blocks_whose_input_projections_were_refitted(tmp_path):
+    result = blockfold.compress(tiny_model("llama"), tiny_tokenizer(), blockfold.ReplaceMe(blocks=2, span_start=2),
+                                calibration=random_calibration())
+    assert [entry["block"] for entry in result.manifest["refit"]["blocks"]] == [1, 2, 3]  # the default: all, 3 blocks
+    card = (result.save(tmp_path / "out") / "README.md").read_text()
+    assert "In blocks 2, 3 the projections that read each sublayer's normed input were refitted" in card
 
 
 def test_the_stream_scale_solve_recovers_a_planted_weight_and_scale():

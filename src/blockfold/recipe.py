@@ -5,7 +5,10 @@ and the calibration data. It is saved next to every output with every default re
 can be repeated, and a report rebuilt, from the output folder alone. (Where and in what precision
 a job runs is not the recipe's business: see ``runtime.Execution``.)
 
-Version 9 (this one): ReplaceMe's refit also fits the stream's scale after each span
+Version 10 (this one): ReplaceMe's refit also corrects, in the blocks after each span, the projections
+that read each sublayer's normed input, over three blocks per span (``refit: all``,
+``refit_blocks: 3``); a version 9 or older recipe refits the down-projections (``refit: down``).
+Version 9: ReplaceMe's refit also fits the stream's scale after each span
 (``refit_scale: true``); a version 8 or older recipe refits the weights alone. Version 8: ReplaceMe refits the down-projections of the block before each span and the
 next one to the original stream (``refit: down``, ``refit_blocks: 2``); a version 7 or older recipe
 folds the map alone (``refit: none``). Version 7: ReplaceMe scores candidate spans with the unconstrained least-squares map
@@ -34,7 +37,7 @@ from blockfold.errors import BlockfoldError
 from blockfold.schema import Strict
 from blockfold.settings import SETTINGS, MethodSettings
 
-RECIPE_VERSION = 9
+RECIPE_VERSION = 10
 
 
 class CalibrationConfig(Strict):
@@ -112,7 +115,7 @@ class Recipe(Strict):
     a flat field the method does not have is an error naming the method's own settings.
     """
 
-    recipe_version: Literal[9] = RECIPE_VERSION
+    recipe_version: Literal[10] = RECIPE_VERSION
     method: str = "replaceme"
     settings: SerializeAsAny[MethodSettings]
     calibration: CalibrationConfig = Field(default_factory=CalibrationConfig)
@@ -139,6 +142,8 @@ class Recipe(Strict):
             data = _migrate_v7(data)
         if data.get("recipe_version") == 8:
             data = _migrate_v8(data)
+        if data.get("recipe_version") == 9:
+            data = _migrate_v9(data)
         method = data.get("method", "replaceme")
         if method not in SETTINGS:
             raise ValueError(f"unknown method {method!r}; choose one of {', '.join(sorted(SETTINGS))}")
@@ -275,6 +280,16 @@ def _migrate_v8(data: dict) -> dict:
     settings = data.get("settings") or {}
     if isinstance(settings, dict) and data.get("method", "replaceme") == "replaceme" and "refit_scale" not in settings:
         settings = {**settings, "refit_scale": False}
+    return {**data, "recipe_version": 9, "settings": settings}
+
+
+def _migrate_v9(data: dict) -> dict:
+    """A version 9 recipe as version 10: ReplaceMe's default refit corrected the down-projections
+    (version 10 also the input projections, ``all``); where it resolved to none it stays none."""
+    settings = data.get("settings") or {}
+    if isinstance(settings, dict) and data.get("method", "replaceme") == "replaceme" and "refit" not in settings:
+        refitted = settings.get("estimator", "lstsq") == "lstsq" and not settings.get("greedy", False)
+        settings = {**settings, "refit": "down" if refitted else "none"}
     return {**data, "recipe_version": RECIPE_VERSION, "settings": settings}
 
 

@@ -28,6 +28,13 @@ adds) matches the original model's at that point; the down-projection is then re
 attention weights in place (not in the block before the first span, which reads the original
 stream). Still no parameter added.
 
+With ``refit="all"`` (recipe version 10's default) each refitted block after the first also corrects
+what it reads: before its attention output, one map ``M`` from the compressed stream's normed input
+to the original's (``min ‖n_c M − n_o‖² + λ‖M − I‖²``) is folded into every projection that reads it
+(q, k, v: ``W ← W Mᵀ``), and likewise before its down-projection for the MLP's (gate, up). Since those
+projections share their input, this one solve is each one's ridge fit toward its weight. Still no
+parameter added.
+
 With ``stream_scale`` (recipe version 9's default) the refit of the block before each span also
 fits one scalar ``s`` on the rest of that block's output (its input plus its attention output), jointly
 with the weight and in closed form: the span's magnitude gap, which a map on the MLP output cannot

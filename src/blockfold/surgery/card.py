@@ -73,6 +73,12 @@ def _what_was_done(manifest: dict) -> str:
             text += (f" Then the down-projections of blocks {', '.join(map(str, refitted))} of the result were refitted, "
                      "layer by layer in closed form, so that each block's output on the compressed model's inputs "
                      "matches the original model's residual stream at that depth.")
+            read = [entry["block"] for entry in manifest["refit"]["blocks"]
+                    if any("skipped" not in entry.get(part, {"skipped": ""}) for part in ("attention_inputs", "mlp_inputs"))]
+            if read:
+                text += (f" In blocks {', '.join(map(str, read))} the projections that read each sublayer's normed input "
+                         "were refitted first, so that on the compressed stream they compute what the original block "
+                         "computed, and the attention output projection too.")
             scales = [entry for entry in manifest["refit"]["blocks"] if "stream_scale" in entry]
             if scales:
                 text += (" The refit of " + ", ".join(f"block {entry['block']}" for entry in scales) + " also fitted the "
