@@ -212,6 +212,29 @@ def test_refit_blocks_counts_from_the_block_before_each_span(tmp_path):
     assert "The refit of block 0, block 2 also fitted the stream's scale after it" in card
 
 
+def test_projections_that_do_not_read_the_norms_output_leave_their_sublayer_alone(monkeypatch):
+    """A map on the normed input folds only into projections that read exactly it: an adapter that
+    named one more (here the attention output projection) gets that sublayer skipped, not mis-folded."""
+    from blockfold.adapters.base import DecoderAdapter
+
+    found = DecoderAdapter.input_projections
+
+    def with_a_stranger(self, layer, sublayer):
+        extra = [self.attention_output_projection(layer).module] if sublayer == "attention" else []
+        return found(self, layer, sublayer) + extra
+
+    monkeypatch.setattr(DecoderAdapter, "input_projections", with_a_stranger)
+    model, original = tiny_model("llama"), tiny_model("llama")
+    result = blockfold.compress(model, tiny_tokenizer(), blockfold.ReplaceMe(blocks=2, span_start=2, refit_blocks=2),
+                                calibration=random_calibration())
+    entry = result.manifest["refit"]["blocks"][1]
+    assert entry["attention_inputs"] == {"skipped": "its projections do not read the norm's output as it is"}
+    assert entry["mlp_inputs"]["relative_error_after"] < entry["mlp_inputs"]["relative_error_before"]
+    for name in ("q_proj", "k_proj", "v_proj"):  # compressed block 2 is the original's block 4
+        assert torch.equal(getattr(model.model.layers[2].self_attn, name).weight,
+                           getattr(original.model.layers[4].self_attn, name).weight), name
+
+
 def test_the_card_names_the_blocks_whose_input_projections_were_refitted(tmp_path):
     result = blockfold.compress(tiny_model("llama"), tiny_tokenizer(), blockfold.ReplaceMe(blocks=2, span_start=2),
                                 calibration=random_calibration())

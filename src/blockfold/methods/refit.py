@@ -245,18 +245,19 @@ class DownstreamRefit:
         block computed on its own (one solve gives every projection's ridge fit toward its weight,
         since they share the inputs). Projections that do not read the norm's output as it is (a cast
         or another input in between) leave the sublayer as it was."""
-        equations = ProjectionEquations()
+        equations, elsewhere = ProjectionEquations(), False
         for number, mask in enumerate(program.masks):
             with contextlib.ExitStack() as hooks:
                 normed = hooks.enter_context(_captured(norm))
                 read = [hooks.enter_context(_captured(linear)) for linear in linears] if number == 0 else []
                 run(program.hidden(number), number)
-            if any(not torch.equal(captured["inputs"], normed["output"]) for captured in read):
-                return {"skipped": "its projections do not read the norm's output as it is"}
+            elsewhere |= any(not torch.equal(captured["inputs"], normed["output"]) for captured in read)
             equations.add(normed["output"][mask], self.store.get(f"{name}-input:{number}")[mask])
-        distributed.reduce_observers([equations], distributed.current())
+        distributed.reduce_observers([equations], distributed.current())  # every process, before any returns
+        if elsewhere:
+            return {"skipped": "its projections do not read the norm's output as it is"}
         sums = equations.finalize()
-        identity = torch.eye(sums.xtx.shape[0], dtype=torch.float64)
+        identity = torch.eye(sums.xtx.shape[0], dtype=torch.float64, device=sums.xtx.device)
         ridge = self.ridge * float(sums.xtx.diagonal().mean())
         correction, _ = solve_normal_equations(sums.xtx, sums.xty + ridge * identity, ridge)
         for linear in linears:
