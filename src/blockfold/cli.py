@@ -164,13 +164,13 @@ def _add_compress(sub) -> None:
                    help="streamline: Adam steps training the block that replaces the span (default 200; 0: untrained)")
     p.add_argument("--train-lr", type=float, help="streamline: learning rate of that training (default 1e-4)")
     p.add_argument("--refit", choices=_choices("refit"),
-                   help="replaceme: after the surgery, refit the down-projections from the block before each span "
-                        "onward to the original stream, layer by layer in closed form (down, the default); attn+down: "
-                        "each block's attention output projection first, then its down-projection; all: also the "
+                   help="replaceme: after the surgery, refit from the block before each span onward to the original "
+                        "stream, layer by layer in closed form. down: the down-projections; attn+down: each block's "
+                        "attention output projection first, then its down-projection; all (the default): also the "
                         "projections that read each sublayer's normed input (q, k, v, gate, up), fitted so that on the "
                         "compressed stream they compute what the original block did; none: plain ReplaceMe")
     p.add_argument("--refit-blocks", type=int, help="replaceme --refit: how many blocks per span, from the one before it "
-                                                    "(default 2)")
+                                                    "(default 3 with all, 2 with down and attn+down)")
     p.add_argument("--refit-ridge", type=float, help="replaceme --refit: ridge toward the current weights, relative "
                                                      "to the mean input energy (default 0.01)")
     p.add_argument("--refit-weighting", choices=_choices("refit_weighting"),

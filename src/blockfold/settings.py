@@ -194,7 +194,7 @@ class ReplaceMe(SpanSelection):
             if (self.refit_blocks is not None or self.refit_ridge != defaults["refit_ridge"].default
                     or self.refit_weighting != defaults["refit_weighting"].default or self.refit_scale):
                 raise ValueError("refit_blocks, refit_ridge, refit_weighting and refit_scale apply to a refit: add "
-                                 "--refit down, or drop them")
+                                 "--refit all (the default) or --refit down, or drop them")
             self.refit_scale = False
         else:
             if self.refit_blocks is None:

@@ -84,9 +84,11 @@ class DownstreamRefit:
     """
 
     def __init__(self, job: Job, spans: list[RemovedSpan], blocks: int, ridge: float, weighting: str = "none",
-                 attention: bool = False, stream_scale: bool = False, inputs: bool = False):
-        self.job, self.blocks, self.ridge, self.weighting, self.attention = job, blocks, ridge, weighting, attention
-        self.stream_scale, self.inputs = stream_scale, inputs
+                 projections: str = "down", stream_scale: bool = False):
+        self.job, self.blocks, self.ridge, self.weighting = job, blocks, ridge, weighting
+        self.projections, self.stream_scale = projections, stream_scale
+        #: refit the attention output projection (attn+down, all) / the projections reading the normed inputs (all)
+        self.attention, self.inputs = projections in ("attn+down", "all"), projections == "all"
         self.spans = sorted(spans, key=lambda span: span.start)
         self.batches, _ = distributed.shard(list(job.calibration), distributed.current())
         self.store: ActivationStore | None = None
@@ -133,8 +135,8 @@ class DownstreamRefit:
     def apply(self) -> dict:
         """Refit on the compressed model (the spans removed); returns what was done, per block."""
         job, store = self.job, self.store
-        projection = ("every projection" if self.inputs else
-                      "attention output + down_proj" if self.attention else "down_proj")
+        projection = {"down": "down_proj", "attn+down": "attention output + down_proj",
+                      "all": "every projection"}[self.projections]
         if self.inapplicable is not None:
             return {"projection": projection, "skipped": self.inapplicable, "blocks": []}
         removed_before, gap_blocks = 0, {}
@@ -155,8 +157,8 @@ class DownstreamRefit:
             with program.layer(index) as (block, run):
                 reason = self._not_refittable(block) if index in refitted_layers else None
                 # the first block reads the original stream: its attention has nothing to correct
-                corrected = self.attention and index in refitted_layers and reason is None and index != first
-                attention = self._attention_projection(block) if corrected else None
+                corrected = index in refitted_layers and reason is None and index != first
+                attention = self._attention_projection(block) if corrected and self.attention else None
                 norms = self._input_norms(block) if corrected and self.inputs else {}
                 for number in range(len(self.batches)):  # the original stream through this block as it was
                     source = store.get(f"original:{number}")

@@ -74,7 +74,7 @@ def _what_was_done(manifest: dict) -> str:
                      "layer by layer in closed form, so that each block's output on the compressed model's inputs "
                      "matches the original model's residual stream at that depth.")
             read = [entry["block"] for entry in manifest["refit"]["blocks"]
-                    if any("skipped" not in entry.get(part, {"skipped": ""}) for part in ("attention_inputs", "mlp_inputs"))]
+                    if any(part in entry and "skipped" not in entry[part] for part in ("attention_inputs", "mlp_inputs"))]
             if read:
                 text += (f" In blocks {', '.join(map(str, read))} the projections that read each sublayer's normed input "
                          "were refitted first, so that on the compressed stream they compute what the original block "
