@@ -664,7 +664,10 @@ def render_span_count_search(parts: list[dict]) -> str:
                 entry = search["candidates"].get(str(count))
                 cells.append(f"{', '.join(entry['spans'])}: {entry['mean_nll']:.4f}" if entry else "-")
             scored_on = "held out" if "held-out" in search["measure"] else "fitting tokens"
-            lines.append(f"| {results['model']} | {results['blocks']} | {row['recipe']['settings']['refit']} | "
+            refit = row["recipe"]["settings"]["refit"]
+            if row.get("refit", {}).get("skipped"):  # e.g. sandwich blocks: the setting asked, nothing refitted
+                refit = f"{refit} (skipped: {row['refit']['skipped']})"
+            lines.append(f"| {results['model']} | {results['blocks']} | {refit} | "
                          f"{scored_on} | " + " | ".join(cells) + f" | {search['chosen']} | "
                          + " | ".join(_perplexity(row['perplexity'][t]) for t in texts)
                          + f" | {row['forward_passes']:.2f} |")
@@ -765,7 +768,8 @@ SECTIONS: dict[str, tuple[str | tuple[str, ...], Callable]] = {
                      "new_methods_12_part2.json", "new_methods_gemma_4_part4.json", "new_methods_8_spans.json",
                      "new_methods_4_spans.json"),
                     render_new_methods),
-    "span-count": (("spans_auto_in_sample_12.json", "spans_auto_12.json", "spans_auto_8.json"), render_span_count_search),
+    "span-count": (("spans_auto_in_sample_12.json", "spans_auto_12.json", "spans_auto_8.json", "spans_auto_4.json",
+                    "spans_auto_gemma_4.json"), render_span_count_search),
     "selection": (("selection_smollm2_c4.json",), render_selection),
     "accuracy": (("new_methods_accuracy.json", "new_methods_accuracy_part2.json", "new_methods_accuracy_part3.json",
                   "new_methods_accuracy_part4.json", "new_methods_accuracy_part5.json",
