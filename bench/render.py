@@ -769,7 +769,7 @@ SECTIONS: dict[str, tuple[str | tuple[str, ...], Callable]] = {
                      "new_methods_4_spans.json"),
                     render_new_methods),
     "span-count": (("spans_auto_in_sample_12.json", "spans_auto_12.json", "spans_auto_8.json", "spans_auto_4.json",
-                    "spans_auto_gemma_4.json"), render_span_count_search),
+                    "spans_auto_gemma_4.json", "spans_auto_12_v10.json"), render_span_count_search),
     "selection": (("selection_smollm2_c4.json",), render_selection),
     "accuracy": (("new_methods_accuracy.json", "new_methods_accuracy_part2.json", "new_methods_accuracy_part3.json",
                   "new_methods_accuracy_part4.json", "new_methods_accuracy_part5.json",
