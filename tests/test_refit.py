@@ -19,7 +19,7 @@ from blockfold.adapters import get_adapter
 from blockfold.cli import main
 from blockfold.errors import BlockfoldError
 from blockfold.data import build_calibration
-from blockfold.recipe import CalibrationConfig, Recipe
+from blockfold.recipe import RECIPE_VERSION, CalibrationConfig, Recipe
 
 
 @pytest.mark.parametrize("refit", ["down", "attn+down", "all"])
@@ -131,6 +131,7 @@ def test_several_spans_take_each_span_end_as_the_target():
 @pytest.mark.parametrize("refit", ["down", "attn+down", "all"])
 @pytest.mark.parametrize("arch, reason", [("gemma3_text", "a norm after the MLP output"), ("mixtral", "mixture of experts")])
 def test_blocks_it_cannot_refit_exactly_are_named_and_left_as_they_are(arch, reason, refit):
+    """(Sandwich blocks' input projections, which ``all`` corrects on request, have their own test below.)"""
     plain, refitted = tiny_model(arch), tiny_model(arch)
     calibration = random_calibration()
     blockfold.compress(plain, tiny_tokenizer(), blockfold.ReplaceMe(blocks=2, span_start=2, refit="none"),
@@ -142,9 +143,36 @@ def test_blocks_it_cannot_refit_exactly_are_named_and_left_as_they_are(arch, rea
         assert torch.equal(a, b), name
 
 
+def test_sandwich_blocks_after_the_span_have_only_their_input_projections_refitted(tmp_path):
+    """Gemma's blocks end each sublayer with a norm, so what they write cannot be refitted by least
+    squares; what they read can. The block before the span reads the original stream and stays as it
+    was; in the next ones q, k, v, gate and up change, lowering their fit error, and nothing else does."""
+    calibration = random_calibration(num_sequences=16, length=32)
+    plain, refitted = tiny_model("gemma3_text"), tiny_model("gemma3_text")
+    blockfold.compress(plain, tiny_tokenizer(), blockfold.ReplaceMe(blocks=2, span_start=2, refit="none"),
+                       calibration=calibration)
+    result = blockfold.compress(refitted, tiny_tokenizer(), blockfold.ReplaceMe(blocks=2, span_start=2, refit_sandwich=True),
+                                calibration=calibration)
+    report = result.manifest["refit"]["blocks"]
+    assert report[0] == {"block": 1, "skipped": "a norm after the MLP output"}
+    assert [entry["block"] for entry in report[1:]] == [2, 3]
+    for entry in report[1:]:
+        assert entry["outputs"] == {"skipped": "a norm after the MLP output"}
+        for part in ("attention_inputs", "mlp_inputs"):
+            assert entry[part]["relative_error_after"] < entry[part]["relative_error_before"], entry
+    changed = {name for (name, a), (_, b) in zip(plain.state_dict().items(), refitted.state_dict().items())
+               if not torch.equal(a, b)}
+    assert changed == {f"model.layers.{index}.{name}.weight" for index in (2, 3) for name in (
+        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")}
+    assert sum(p.numel() for p in refitted.parameters()) == sum(p.numel() for p in plain.parameters())
+    card = (result.save(tmp_path / "out") / "README.md").read_text()
+    assert "In blocks 2, 3 of the result, whose sublayer outputs pass a norm, only the projections" in card
+    assert "down-projections of blocks" not in card
+
+
 def test_the_default_refits_every_projection_of_three_blocks_per_span_except_where_it_cannot_apply():
     default = blockfold.ReplaceMe()
-    assert (default.refit, default.refit_blocks, default.refit_scale) == ("all", 3, True)
+    assert (default.refit, default.refit_blocks, default.refit_scale, default.refit_sandwich) == ("all", 3, True, False)
     assert blockfold.ReplaceMe(refit="down").refit_blocks == 2 == blockfold.ReplaceMe(refit="attn+down").refit_blocks
     assert (blockfold.ReplaceMe(greedy=True).refit, blockfold.ReplaceMe(greedy=True).refit_scale) == ("none", False)
     assert blockfold.ReplaceMe(estimator="identity").refit == "none"  # plain removal stays plain
@@ -157,7 +185,7 @@ def test_the_default_refits_every_projection_of_three_blocks_per_span_except_whe
 def test_a_version_8_recipe_refits_the_weights_alone():
     migrated = Recipe.parse({"recipe_version": 8, "method": "replaceme", "settings": {"blocks": 2}})
     assert (migrated.settings.refit, migrated.settings.refit_blocks, migrated.settings.refit_scale) == ("down", 2, False)
-    assert migrated.recipe_version == 10
+    assert migrated.recipe_version == RECIPE_VERSION
     explicit = Recipe.parse({"recipe_version": 8, "method": "replaceme", "settings": {"blocks": 2, "refit_scale": True}})
     assert explicit.settings.refit_scale is True
 
@@ -166,7 +194,7 @@ def test_a_version_8_recipe_refits_the_weights_alone():
                                              ({"refit": "attn+down"}, "attn+down")])
 def test_a_version_9_recipe_keeps_the_refit_it_resolved_to(settings, refit):
     migrated = Recipe.parse({"recipe_version": 9, "method": "replaceme", "settings": {"blocks": 2, **settings}})
-    assert migrated.recipe_version == 10 and migrated.settings.refit == refit
+    assert migrated.recipe_version == RECIPE_VERSION and migrated.settings.refit == refit
     assert migrated.settings.refit_blocks == (2 if refit != "none" else None)
 
 
@@ -186,6 +214,8 @@ def test_refit_settings_are_refused_where_they_would_do_nothing():
         Recipe.parse({"method": "replaceme", "blocks": 2, "refit": "none", "refit_scale": True})
     with pytest.raises(BlockfoldError, match="greedy"):
         Recipe.parse({"method": "replaceme", "blocks": 2, "greedy": True, "refit": "down"})
+    with pytest.raises(BlockfoldError, match="--refit all"):
+        Recipe.parse({"method": "replaceme", "blocks": 2, "refit": "down", "refit_sandwich": True})
     with pytest.raises(BlockfoldError, match="refit"):
         Recipe.parse({"method": "uidl", "blocks": 2, "refit": "down"})
 

@@ -29,7 +29,7 @@ SETTINGS_FLAGS = {
     "merge_layers": "merge_layers", "similarity_sequences": "similarity_sequences", "patch": "patch",
     "train_steps": "train_steps", "train_lr": "learning_rate",
     "refit": "refit", "refit_blocks": "refit_blocks", "refit_ridge": "refit_ridge",
-    "refit_weighting": "refit_weighting", "refit_scale": "refit_scale",
+    "refit_weighting": "refit_weighting", "refit_scale": "refit_scale", "refit_sandwich": "refit_sandwich",
     "span_scoring": "span_scoring",
 }
 # CLI flag → field of the calibration config
@@ -179,6 +179,10 @@ def _add_compress(sub) -> None:
                    help="replaceme --refit: fit one scalar on the stream after each span with the refit of the block "
                         "before it, folded into the later blocks' output projections, no parameter added (the default; "
                         "--no-refit-scale: the weights alone, as recipe version 8)")
+    p.add_argument("--refit-sandwich", action="store_true", default=None,
+                   help="replaceme --refit all: in blocks whose MLP output passes a norm (Gemma's sandwich blocks), whose "
+                        "outputs cannot be refitted, still correct the projections that read the normed inputs (off by "
+                        "default: level with leaving them on Gemma-3-270m at 4 of 18 blocks)")
     p.add_argument("--sandwich-fold", choices=["auto", "compare", "linearized-norm", "through-norm"],
                    help="Gemma-style post-MLP norms: how to fold the map (default auto: linearized-norm, through-norm "
                         "where that fit fails; compare: the lower loss on held-out calibration tokens)")

@@ -184,6 +184,10 @@ class ReplaceMe(SpanSelection):
     # Default with a refit since recipe version 9: on SmolLM2-135M it lowered every text at 4, 8 and
     # 12 blocks, held-out WikiText-2 2.3 % at 8 and 6.0 % at 12 (BENCHMARKS.md "Downstream refit")
     refit_scale: bool | None = None
+    # with refit all, blocks whose MLP output passes a norm (Gemma's sandwich blocks), whose outputs
+    # cannot be refitted, still have the projections that read their normed inputs corrected. Off by
+    # default: on Gemma-3-270m at 4 of 18 blocks it was level with leaving them (BENCHMARKS.md "Downstream refit")
+    refit_sandwich: bool = False
 
     @model_validator(mode="after")
     def _consistent(self):
@@ -196,7 +200,10 @@ class ReplaceMe(SpanSelection):
                 raise ValueError("refit_blocks, refit_ridge, refit_weighting and refit_scale apply to a refit: add "
                                  "--refit all (the default) or --refit down, or drop them")
             self.refit_scale = False
-        else:
+        if self.refit != "all" and self.refit_sandwich:
+            raise ValueError("refit_sandwich (--refit-sandwich) corrects input projections, which only --refit all "
+                             "refits: use --refit all or drop it")
+        if self.refit != "none":
             if self.refit_blocks is None:
                 self.refit_blocks = 3 if self.refit == "all" else 2
             if self.refit_scale is None:

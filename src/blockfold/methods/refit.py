@@ -43,9 +43,12 @@ and the final norm read the stream through a scale-invariant norm, so this is th
 as large, with no parameter added and a tied embedding left alone. Later targets are divided by ``s``.
 
 A block whose MLP output passes a norm before the residual add (Gemma's sandwich blocks) or is a
-mixture of experts is run but not refitted (the least squares above needs the projection's output
-added to the stream as it is); the manifest lists such blocks. For the same reason an attention
-output that passes a norm (or an attention already replaced by a map) is left as it is.
+mixture of experts is run but its output projections are not refitted (the least squares above needs
+the projection's output added to the stream as it is); the manifest lists such blocks. For the same
+reason an attention output that passes a norm (or an attention already replaced by a map) is left as
+it is. The input maps of ``all`` need no such add, so with ``sandwich_inputs`` (``refit_sandwich``) a
+sandwich block after the span still has the projections that read its normed inputs corrected; the
+block before the span, which reads the original stream, then has nothing refitted.
 """
 
 from __future__ import annotations
@@ -84,17 +87,18 @@ class DownstreamRefit:
     """
 
     def __init__(self, job: Job, spans: list[RemovedSpan], blocks: int, ridge: float, weighting: str = "none",
-                 projections: str = "down", stream_scale: bool = False):
+                 projections: str = "down", stream_scale: bool = False, sandwich_inputs: bool = False):
         self.job, self.blocks, self.ridge, self.weighting = job, blocks, ridge, weighting
-        self.projections, self.stream_scale = projections, stream_scale
+        self.projections, self.stream_scale, self.sandwich_inputs = projections, stream_scale, sandwich_inputs
         #: refit the attention output projection (attn+down, all) / the projections reading the normed inputs (all)
         self.attention, self.inputs = projections in ("attn+down", "all"), projections == "all"
         self.spans = sorted(spans, key=lambda span: span.start)
         self.batches, _ = distributed.shard(list(job.calibration), distributed.current())
         self.store: ActivationStore | None = None
         reasons = {self._not_refittable(layer) for layer in job.handle.layers()}
+        inputs_anywhere = any(self._inputs_only(layer) for layer in job.handle.layers())
         #: why no block of this model can be refitted (then no pass is spent on the streams), else None
-        self.inapplicable = None if None in reasons else ", ".join(sorted(reasons))
+        self.inapplicable = None if None in reasons or inputs_anywhere else ", ".join(sorted(reasons))
 
     def __enter__(self) -> "DownstreamRefit":
         handle = self.job.handle
@@ -157,8 +161,9 @@ class DownstreamRefit:
             with program.layer(index) as (block, run):
                 reason = self._not_refittable(block) if index in refitted_layers else None
                 # the first block reads the original stream: its attention has nothing to correct
-                corrected = index in refitted_layers and reason is None and index != first
-                attention = self._attention_projection(block) if corrected and self.attention else None
+                inputs_only = reason is not None and self._inputs_only(block) and index != first
+                corrected = index in refitted_layers and (reason is None or inputs_only) and index != first
+                attention = self._attention_projection(block) if corrected and self.attention and reason is None else None
                 norms = self._input_norms(block) if corrected and self.inputs else {}
                 for number in range(len(self.batches)):  # the original stream through this block as it was
                     source = store.get(f"original:{number}")
@@ -173,8 +178,13 @@ class DownstreamRefit:
                             store.put(f"{name}-input:{number}", inputs["output"])
                     store.put(f"original:{number}", store.get(f"after{gap_blocks[index]}:{number}") / scale
                               if index in gap_blocks else output)
-                if reason is not None:
+                if reason is not None and not inputs_only:
                     report.append({"block": index, "skipped": reason})
+                elif inputs_only:  # what it reads is corrected; what it writes passes a norm and is kept
+                    entry = {"block": index, "outputs": {"skipped": reason}}
+                    for name, (norm, linears) in norms.items():
+                        entry[f"{name}_inputs"] = self._refit_inputs(program, name, norm, linears, run)
+                    report.append(entry)
                 elif index in refitted_layers:
                     entry = {"block": index}
                     if "attention" in norms:
@@ -194,7 +204,7 @@ class DownstreamRefit:
                 for number in range(len(self.batches)):
                     program.set_hidden(number, run(program.hidden(number), number))
         job.runner.passes += 1
-        refitted = [entry for entry in report if "skipped" not in entry]
+        refitted = [entry for entry in report if "relative_error_before" in entry]
         if refitted:
             logger.info("refitted the down-projections of %d blocks: relative error of their contribution %.4g -> %.4g "
                         "(mean over blocks)", len(refitted), sum(e["relative_error_before"] for e in refitted) / len(refitted),
@@ -219,6 +229,12 @@ class DownstreamRefit:
         if adapter.mlp_norm(block) is not None:
             return "a norm after the MLP output"
         return None
+
+    def _inputs_only(self, block: nn.Module) -> bool:
+        """With ``all`` and ``sandwich_inputs``, a block whose MLP output passes a norm (sandwich blocks)
+        still has its input projections corrected: their fit needs only the normed inputs, not a linear
+        residual add."""
+        return self.inputs and self.sandwich_inputs and self._not_refittable(block) == "a norm after the MLP output"
 
     def _attention_projection(self, block: nn.Module) -> nn.Linear | str:
         """The attention output projection to refit, or why there is none."""

@@ -389,7 +389,8 @@ def _replace_spans(job: Job, choices: list[SpanChoice], first_pass: dict) -> tup
             refit = stack.enter_context(DownstreamRefit(job, [RemovedSpan(c.start, c.length) for c in choices],
                                                         settings.refit_blocks, settings.refit_ridge,
                                                         settings.refit_weighting, projections=settings.refit,
-                                                        stream_scale=settings.refit_scale))
+                                                        stream_scale=settings.refit_scale,
+                                                        sandwich_inputs=settings.refit_sandwich))
         for choice in choices:
             start = choice.start - removed_so_far
             equations = first_pass.get(choice.length, {}).get(choice.start) if removed_so_far == 0 else None

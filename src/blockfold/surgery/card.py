@@ -68,22 +68,27 @@ def _what_was_done(manifest: dict) -> str:
                           f"{span['transform'].get('estimator')} map folded into block {span['folded_into_block']}'s "
                           "down-projection" for span in spans)
         text += f", each removed span replaced by a linear map fitted on {data} ({folds})."
-        refitted = [entry["block"] for entry in (manifest.get("refit") or {}).get("blocks", []) if "skipped" not in entry]
+        entries = (manifest.get("refit") or {}).get("blocks", [])
+        refitted = [entry["block"] for entry in entries if "relative_error_before" in entry]  # what it writes
+        read = {entry["block"] for entry in entries  # what it reads
+                if any(part in entry and "skipped" not in entry[part] for part in ("attention_inputs", "mlp_inputs"))}
         if refitted:
             text += (f" Then the down-projections of blocks {', '.join(map(str, refitted))} of the result were refitted, "
                      "layer by layer in closed form, so that each block's output on the compressed model's inputs "
                      "matches the original model's residual stream at that depth.")
-            read = [entry["block"] for entry in manifest["refit"]["blocks"]
-                    if any(part in entry and "skipped" not in entry[part] for part in ("attention_inputs", "mlp_inputs"))]
-            if read:
-                text += (f" In blocks {', '.join(map(str, read))} the projections that read each sublayer's normed input "
-                         "were refitted first, so that on the compressed stream they compute what the original block "
-                         "computed, and the attention output projection too.")
-            scales = [entry for entry in manifest["refit"]["blocks"] if "stream_scale" in entry]
-            if scales:
-                text += (" The refit of " + ", ".join(f"block {entry['block']}" for entry in scales) + " also fitted the "
-                         "stream's scale after it (" + ", ".join(f"{entry['stream_scale']:.4g}" for entry in scales)
-                         + "), folded as its inverse into every later block's output projections.")
+            if read & set(refitted):
+                text += (f" In blocks {', '.join(map(str, sorted(read & set(refitted))))} the projections that read each "
+                         "sublayer's normed input were refitted first, so that on the compressed stream they compute what "
+                         "the original block computed, and the attention output projection too.")
+        if read - set(refitted):
+            text += (f" In blocks {', '.join(map(str, sorted(read - set(refitted))))} of the result, whose sublayer outputs "
+                     "pass a norm, only the projections that read each sublayer's normed input were refitted, layer by "
+                     "layer in closed form, so that on the compressed stream they compute what the original block computed.")
+        scales = [entry for entry in entries if "stream_scale" in entry]
+        if scales:
+            text += (" The refit of " + ", ".join(f"block {entry['block']}" for entry in scales) + " also fitted the "
+                     "stream's scale after it (" + ", ".join(f"{entry['stream_scale']:.4g}" for entry in scales)
+                     + "), folded as its inverse into every later block's output projections.")
         text += " No parameters were added."
     elif manifest.get("collapsed"):
         merges = "; ".join(f"blocks {', '.join(map(str, merge['blocks']))} into block {merge['into']}"
