@@ -780,7 +780,7 @@ SECTIONS: dict[str, tuple[str | tuple[str, ...], Callable]] = {
                "refit_study_part4.json", "refit_validation_4.json", "refit_validation_12.json", "refit_validation_12_plain.json",
                "refit_scale_8.json", "refit_scale_4.json", "refit_scale_12.json", "refit_all_8.json", "refit_all_4.json",
                "refit_all_12.json", "refit_levers_8.json", "refit_placement_8.json",
-               "refit_early_4.json", "refit_early_12.json"),
+               "refit_early_4.json", "refit_early_12.json", "refit_sandwich_gemma_4.json", "refit_sandwich_gemma_6.json"),
               render_refit),
     "packing": ("calibration_packing.json", render_packing),
     "healing": (("healing.json", "healing_v3_through_norm.json"), render_healing),

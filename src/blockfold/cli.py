@@ -182,7 +182,7 @@ def _add_compress(sub) -> None:
     p.add_argument("--refit-sandwich", action="store_true", default=None,
                    help="replaceme --refit all: in blocks whose MLP output passes a norm (Gemma's sandwich blocks), whose "
                         "outputs cannot be refitted, still correct the projections that read the normed inputs (off by "
-                        "default: level with leaving them on Gemma-3-270m at 4 of 18 blocks)")
+                        "default: on Gemma-3-270m 3-10 %% lower perplexity at 6 of 18 blocks, level at 4)")
     p.add_argument("--sandwich-fold", choices=["auto", "compare", "linearized-norm", "through-norm"],
                    help="Gemma-style post-MLP norms: how to fold the map (default auto: linearized-norm, through-norm "
                         "where that fit fails; compare: the lower loss on held-out calibration tokens)")

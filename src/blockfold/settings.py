@@ -186,7 +186,8 @@ class ReplaceMe(SpanSelection):
     refit_scale: bool | None = None
     # with refit all, blocks whose MLP output passes a norm (Gemma's sandwich blocks), whose outputs
     # cannot be refitted, still have the projections that read their normed inputs corrected. Off by
-    # default: on Gemma-3-270m at 4 of 18 blocks it was level with leaving them (BENCHMARKS.md "Downstream refit")
+    # default for now: on Gemma-3-270m it lowered every text 3-10 % at 6 of 18 blocks but was level at 4
+    # (held-out WikiText-2 -1.5 %, C4 +0.4 %; BENCHMARKS.md "Downstream refit")
     refit_sandwich: bool = False
 
     @model_validator(mode="after")
