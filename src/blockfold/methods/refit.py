@@ -180,11 +180,6 @@ class DownstreamRefit:
                               if index in gap_blocks else output)
                 if reason is not None and not inputs_only:
                     report.append({"block": index, "skipped": reason})
-                elif inputs_only:  # what it reads is corrected; what it writes passes a norm and is kept
-                    entry = {"block": index, "outputs": {"skipped": reason}}
-                    for name, (norm, linears) in norms.items():
-                        entry[f"{name}_inputs"] = self._refit_inputs(program, name, norm, linears, run)
-                    report.append(entry)
                 elif index in refitted_layers:
                     entry = {"block": index}
                     if "attention" in norms:
@@ -195,11 +190,15 @@ class DownstreamRefit:
                         entry["attention"] = {"skipped": attention}
                     if "mlp" in norms:
                         entry["mlp_inputs"] = self._refit_inputs(program, "mlp", *norms["mlp"], run)
-                    scaled = self.stream_scale and index in gap_blocks
-                    entry |= self._refit_projection(program, job.adapter.down_proj(block), run, "original", False, scaled)
-                    if scaled:
-                        self._fold_stream_scale(index, entry["stream_scale"])
-                        scale *= entry["stream_scale"]
+                    if inputs_only:  # what it writes passes a norm and is kept
+                        entry["outputs"] = {"skipped": reason}
+                    else:
+                        scaled = self.stream_scale and index in gap_blocks
+                        entry |= self._refit_projection(program, job.adapter.down_proj(block), run, "original", False,
+                                                        scaled)
+                        if scaled:
+                            self._fold_stream_scale(index, entry["stream_scale"])
+                            scale *= entry["stream_scale"]
                     report.append(entry)
                 for number in range(len(self.batches)):
                     program.set_hidden(number, run(program.hidden(number), number))
@@ -234,7 +233,8 @@ class DownstreamRefit:
         """With ``all`` and ``sandwich_inputs``, a block whose MLP output passes a norm (sandwich blocks)
         still has its input projections corrected: their fit needs only the normed inputs, not a linear
         residual add."""
-        return self.inputs and self.sandwich_inputs and self._not_refittable(block) == "a norm after the MLP output"
+        adapter = self.job.adapter
+        return self.inputs and self.sandwich_inputs and not adapter.is_sparse(block) and adapter.mlp_norm(block) is not None
 
     def _attention_projection(self, block: nn.Module) -> nn.Linear | str:
         """The attention output projection to refit, or why there is none."""

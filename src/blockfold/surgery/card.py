@@ -69,19 +69,20 @@ def _what_was_done(manifest: dict) -> str:
                           "down-projection" for span in spans)
         text += f", each removed span replaced by a linear map fitted on {data} ({folds})."
         entries = (manifest.get("refit") or {}).get("blocks", [])
-        refitted = [entry["block"] for entry in entries if "relative_error_before" in entry]  # what it writes
-        read = {entry["block"] for entry in entries  # what it reads
+        written = [entry["block"] for entry in entries if "relative_error_before" in entry]  # down-projection refitted
+        read = {entry["block"] for entry in entries  # input projections refitted
                 if any(part in entry and "skipped" not in entry[part] for part in ("attention_inputs", "mlp_inputs"))}
-        if refitted:
-            text += (f" Then the down-projections of blocks {', '.join(map(str, refitted))} of the result were refitted, "
+        read_and_written, read_only = sorted(read & set(written)), sorted(read - set(written))
+        if written:
+            text += (f" Then the down-projections of blocks {', '.join(map(str, written))} of the result were refitted, "
                      "layer by layer in closed form, so that each block's output on the compressed model's inputs "
                      "matches the original model's residual stream at that depth.")
-            if read & set(refitted):
-                text += (f" In blocks {', '.join(map(str, sorted(read & set(refitted))))} the projections that read each "
+            if read_and_written:
+                text += (f" In blocks {', '.join(map(str, read_and_written))} the projections that read each "
                          "sublayer's normed input were refitted first, so that on the compressed stream they compute what "
                          "the original block computed, and the attention output projection too.")
-        if read - set(refitted):
-            text += (f" In blocks {', '.join(map(str, sorted(read - set(refitted))))} of the result, whose sublayer outputs "
+        if read_only:
+            text += (f" In blocks {', '.join(map(str, read_only))} of the result, whose sublayer outputs "
                      "pass a norm, only the projections that read each sublayer's normed input were refitted, layer by "
                      "layer in closed form, so that on the compressed stream they compute what the original block computed.")
         scales = [entry for entry in entries if "stream_scale" in entry]
