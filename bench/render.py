@@ -39,6 +39,8 @@ def _provenance_line(provenance: dict) -> str:
 #: when perplexity windows began with the tokenizer's BOS (commit b0f6e76); before, every window but the
 #: first was cut from one token stream without it, which about triples Gemma's perplexity
 WINDOWS_WITH_BOS_SINCE = "2026-12-03 12:00"
+# how a refit entry names a block whose MLP output passes a norm (methods/refit.py), in results JSON
+SANDWICH_SKIPPED = "a norm after the MLP output"
 
 
 def _dates(results) -> list[str | None]:
@@ -589,7 +591,8 @@ def _method_label(row: dict) -> str:
     """The row's method spec; a ReplaceMe row that refitted nothing says so (recipe version 8 refits by
     default), one that refitted under a default other than today's ``all`` (version 10) names it, and one
     that refitted without the stream scale, which version 9 fits by default, says so too (a model whose
-    blocks could not be refitted, such as Gemma's sandwich blocks, ran the same whatever the refit)."""
+    blocks could not be refitted ran the same whatever the refit). A row that left sandwich blocks alone
+    (before version 11 corrected their inputs by default) says so."""
     if row["method"].split(":")[0] != "replaceme":
         return row["method"]
     settings = (row.get("recipe") or {}).get("settings") or {}
@@ -601,6 +604,10 @@ def _method_label(row: dict) -> str:
         notes.append(f"refit {settings['refit']}")
     if refitted and not settings.get("refit_scale", False):
         notes.append("no scale")
+    sandwich_left = any(entry.get("skipped") == SANDWICH_SKIPPED for entry in [row.get("refit") or {}]
+                        + (row.get("refit") or {}).get("blocks", []))
+    if sandwich_left and not settings.get("refit_sandwich", False) and "refit_sandwich=" not in row["method"]:
+        notes.append("no sandwich inputs")
     return row["method"] + (f" ({', '.join(notes)})" if notes else "")
 
 
@@ -780,7 +787,8 @@ SECTIONS: dict[str, tuple[str | tuple[str, ...], Callable]] = {
                "refit_study_part4.json", "refit_validation_4.json", "refit_validation_12.json", "refit_validation_12_plain.json",
                "refit_scale_8.json", "refit_scale_4.json", "refit_scale_12.json", "refit_all_8.json", "refit_all_4.json",
                "refit_all_12.json", "refit_levers_8.json", "refit_placement_8.json",
-               "refit_early_4.json", "refit_early_12.json", "refit_sandwich_gemma_4.json", "refit_sandwich_gemma_6.json"),
+               "refit_early_4.json", "refit_early_12.json", "refit_sandwich_gemma_4.json", "refit_sandwich_gemma_6.json",
+               "refit_sandwich_gemma_8.json"),
               render_refit),
     "packing": ("calibration_packing.json", render_packing),
     "healing": (("healing.json", "healing_v3_through_norm.json"), render_healing),

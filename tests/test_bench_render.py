@@ -276,9 +276,17 @@ def test_defaults_verdict_compares_only_the_candidates_that_were_built():
     ("replaceme", {"refit": "down", "refit_scale": False}, [{"block": 11}], "replaceme (refit down, no scale)"),
     ("replaceme:refit=down", {"refit": "down", "refit_scale": True}, [{"block": 11}], "replaceme:refit=down"),
     ("replaceme", {"refit": "down", "refit_scale": False}, [{"block": 3, "skipped": "x"}], "replaceme"),
+    ("replaceme", {"refit": "down", "refit_scale": True}, [{"block": 3, "skipped": "a norm after the MLP output"}],
+     "replaceme (no sandwich inputs)"),
     ("replaceme:refit=none", {"refit": "none"}, [], "replaceme:refit=none (no refit)"),
+    ("replaceme", {"refit": "all", "refit_scale": True}, [{"block": 4, "skipped": "a norm after the MLP output"}],
+     "replaceme (no sandwich inputs)"),
+    ("replaceme", {"refit": "all", "refit_scale": True, "refit_sandwich": True},
+     [{"block": 4, "skipped": "a norm after the MLP output"}, {"block": 5, "outputs": {"skipped": "x"}}], "replaceme"),
+    ("replaceme:refit_sandwich=true", {"refit": "all", "refit_scale": True, "refit_sandwich": True},
+     [{"block": 4, "skipped": "a norm after the MLP output"}], "replaceme:refit_sandwich=true"),
 ])
 def test_a_replaceme_row_names_what_it_ran_where_todays_default_differs(render, method, settings, blocks, label):
     """Rows measured under older recipe versions keep the bare name they ran under: the label says which
-    refit they resolved to, so a reader does not take them for today's default (version 10: all)."""
+    refit they resolved to, so a reader does not take them for today's default (version 10: all; version 11 with sandwich inputs)."""
     assert render._method_label({"method": method, "recipe": {"settings": settings}, "refit": {"blocks": blocks}}) == label

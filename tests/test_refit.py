@@ -131,12 +131,13 @@ def test_several_spans_take_each_span_end_as_the_target():
 @pytest.mark.parametrize("refit", ["down", "attn+down", "all"])
 @pytest.mark.parametrize("arch, reason", [("gemma3_text", "a norm after the MLP output"), ("mixtral", "mixture of experts")])
 def test_blocks_it_cannot_refit_exactly_are_named_and_left_as_they_are(arch, reason, refit):
-    """(Sandwich blocks' input projections, which ``all`` corrects on request, have their own test below.)"""
+    """(Sandwich blocks' input projections, which ``all`` corrects by default, have their own test below.)"""
     plain, refitted = tiny_model(arch), tiny_model(arch)
     calibration = random_calibration()
     blockfold.compress(plain, tiny_tokenizer(), blockfold.ReplaceMe(blocks=2, span_start=2, refit="none"),
                        calibration=calibration)
-    result = blockfold.compress(refitted, tiny_tokenizer(), blockfold.ReplaceMe(blocks=2, span_start=2, refit=refit),
+    result = blockfold.compress(refitted, tiny_tokenizer(), blockfold.ReplaceMe(blocks=2, span_start=2, refit=refit,
+                                                                                refit_sandwich=False),
                                 calibration=calibration)
     assert result.manifest["refit"]["skipped"] == reason and result.manifest["refit"]["blocks"] == []
     for (name, a), (_, b) in zip(plain.state_dict().items(), refitted.state_dict().items()):
@@ -151,7 +152,7 @@ def test_sandwich_blocks_after_the_span_have_only_their_input_projections_refitt
     plain, refitted = tiny_model("gemma3_text"), tiny_model("gemma3_text")
     blockfold.compress(plain, tiny_tokenizer(), blockfold.ReplaceMe(blocks=2, span_start=2, refit="none"),
                        calibration=calibration)
-    result = blockfold.compress(refitted, tiny_tokenizer(), blockfold.ReplaceMe(blocks=2, span_start=2, refit_sandwich=True),
+    result = blockfold.compress(refitted, tiny_tokenizer(), blockfold.ReplaceMe(blocks=2, span_start=2),
                                 calibration=calibration)
     report = result.manifest["refit"]["blocks"]
     assert report[0] == {"block": 1, "skipped": "a norm after the MLP output"}
@@ -172,7 +173,8 @@ def test_sandwich_blocks_after_the_span_have_only_their_input_projections_refitt
 
 def test_the_default_refits_every_projection_of_three_blocks_per_span_except_where_it_cannot_apply():
     default = blockfold.ReplaceMe()
-    assert (default.refit, default.refit_blocks, default.refit_scale, default.refit_sandwich) == ("all", 3, True, False)
+    assert (default.refit, default.refit_blocks, default.refit_scale, default.refit_sandwich) == ("all", 3, True, True)
+    assert blockfold.ReplaceMe(refit="down").refit_sandwich is False
     assert blockfold.ReplaceMe(refit="down").refit_blocks == 2 == blockfold.ReplaceMe(refit="attn+down").refit_blocks
     assert (blockfold.ReplaceMe(greedy=True).refit, blockfold.ReplaceMe(greedy=True).refit_scale) == ("none", False)
     assert blockfold.ReplaceMe(estimator="identity").refit == "none"  # plain removal stays plain
@@ -196,6 +198,13 @@ def test_a_version_9_recipe_keeps_the_refit_it_resolved_to(settings, refit):
     migrated = Recipe.parse({"recipe_version": 9, "method": "replaceme", "settings": {"blocks": 2, **settings}})
     assert migrated.recipe_version == RECIPE_VERSION and migrated.settings.refit == refit
     assert migrated.settings.refit_blocks == (2 if refit != "none" else None)
+
+
+@pytest.mark.parametrize("settings, sandwich", [({}, False), ({"refit": "down"}, False), ({"refit_sandwich": True}, True)])
+def test_a_version_10_recipe_leaves_sandwich_blocks_unless_it_asked(settings, sandwich):
+    migrated = Recipe.parse({"recipe_version": 10, "method": "replaceme", "settings": {"blocks": 2, **settings}})
+    assert migrated.recipe_version == RECIPE_VERSION and migrated.settings.refit_sandwich is sandwich
+    assert migrated.settings.refit == settings.get("refit", "all")
 
 
 def test_a_version_7_recipe_keeps_folding_the_map_alone():

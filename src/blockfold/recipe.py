@@ -5,7 +5,9 @@ and the calibration data. It is saved next to every output with every default re
 can be repeated, and a report rebuilt, from the output folder alone. (Where and in what precision
 a job runs is not the recipe's business: see ``runtime.Execution``.)
 
-Version 10 (this one): ReplaceMe's refit also corrects, in the blocks after each span, the projections
+Version 11 (this one): with ``refit: all``, ReplaceMe's refit also corrects the input projections of
+sandwich blocks (Gemma's) after each span (``refit_sandwich: true``); a version 10 recipe leaves them.
+Version 10: ReplaceMe's refit also corrects, in the blocks after each span, the projections
 that read each sublayer's normed input, over three blocks per span (``refit: all``,
 ``refit_blocks: 3``); a version 9 or older recipe refits the down-projections (``refit: down``).
 Version 9: ReplaceMe's refit also fits the stream's scale after each span
@@ -37,7 +39,7 @@ from blockfold.errors import BlockfoldError
 from blockfold.schema import Strict
 from blockfold.settings import SETTINGS, MethodSettings
 
-RECIPE_VERSION = 10
+RECIPE_VERSION = 11
 
 
 class CalibrationConfig(Strict):
@@ -115,7 +117,7 @@ class Recipe(Strict):
     a flat field the method does not have is an error naming the method's own settings.
     """
 
-    recipe_version: Literal[10] = RECIPE_VERSION
+    recipe_version: Literal[11] = RECIPE_VERSION
     method: str = "replaceme"
     settings: SerializeAsAny[MethodSettings]
     calibration: CalibrationConfig = Field(default_factory=CalibrationConfig)
@@ -144,6 +146,8 @@ class Recipe(Strict):
             data = _migrate_v8(data)
         if data.get("recipe_version") == 9:
             data = _migrate_v9(data)
+        if data.get("recipe_version") == 10:
+            data = _migrate_v10(data)
         method = data.get("method", "replaceme")
         if method not in SETTINGS:
             raise ValueError(f"unknown method {method!r}; choose one of {', '.join(sorted(SETTINGS))}")
@@ -290,6 +294,15 @@ def _migrate_v9(data: dict) -> dict:
     if isinstance(settings, dict) and data.get("method", "replaceme") == "replaceme" and "refit" not in settings:
         refitted = settings.get("estimator", "lstsq") == "lstsq" and not settings.get("greedy", False)
         settings = {**settings, "refit": "down" if refitted else "none"}
+    return {**data, "recipe_version": 10, "settings": settings}
+
+
+def _migrate_v10(data: dict) -> dict:
+    """A version 10 recipe as version 11: ReplaceMe's refit left sandwich blocks as they were; version 11
+    corrects their input projections (with ``refit: all``)."""
+    settings = data.get("settings") or {}
+    if isinstance(settings, dict) and data.get("method", "replaceme") == "replaceme" and "refit_sandwich" not in settings:
+        settings = {**settings, "refit_sandwich": False}
     return {**data, "recipe_version": RECIPE_VERSION, "settings": settings}
 
 

@@ -46,7 +46,7 @@ A block whose MLP output passes a norm before the residual add (Gemma's sandwich
 mixture of experts is run but its output projections are not refitted (the least squares above needs
 the projection's output added to the stream as it is); the manifest lists such blocks. For the same
 reason an attention output that passes a norm (or an attention already replaced by a map) is left as
-it is. The input maps of ``all`` need no such add, so with ``sandwich_inputs`` (``refit_sandwich``, off by default) a
+it is. The input maps of ``all`` need no such add, so with ``sandwich_inputs`` (``refit_sandwich``, recipe version 11's default) a
 sandwich block after the span still has the projections that read its normed inputs corrected; the
 block before the span, which reads the original stream, then has nothing refitted.
 """
