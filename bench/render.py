@@ -780,7 +780,7 @@ SECTIONS: dict[str, tuple[str | tuple[str, ...], Callable]] = {
     "selection": (("selection_smollm2_c4.json",), render_selection),
     "accuracy": (("new_methods_accuracy.json", "new_methods_accuracy_part2.json", "new_methods_accuracy_part3.json",
                   "new_methods_accuracy_part4.json", "new_methods_accuracy_part5.json",
-                  "new_methods_accuracy_part6.json", "new_methods_accuracy_part7.json"),
+                  "new_methods_accuracy_part6.json", "new_methods_accuracy_part7.json", "new_methods_accuracy_4.json"),
                  render_accuracy),
     "vision": ("vision.json", render_vision),
     "refit": (("new_methods_part2.json", "refit_study_part1.json", "refit_study_part2.json", "refit_study_part3.json",
