@@ -598,14 +598,13 @@ def _method_label(row: dict) -> str:
     settings = (row.get("recipe") or {}).get("settings") or {}
     if settings.get("refit", "none") == "none":
         return row["method"] + " (no refit)"
-    notes = []
-    refitted = any("skipped" not in entry for entry in (row.get("refit") or {}).get("blocks", []))
+    notes, refit = [], row.get("refit") or {}
+    refitted = any("skipped" not in entry for entry in refit.get("blocks", []))
     if refitted and "refit=" not in row["method"] and settings["refit"] != "all":
         notes.append(f"refit {settings['refit']}")
     if refitted and not settings.get("refit_scale", False):
         notes.append("no scale")
-    sandwich_left = any(entry.get("skipped") == SANDWICH_SKIPPED for entry in [row.get("refit") or {}]
-                        + (row.get("refit") or {}).get("blocks", []))
+    sandwich_left = any(entry.get("skipped") == SANDWICH_SKIPPED for entry in [refit, *refit.get("blocks", [])])
     if sandwich_left and not settings.get("refit_sandwich", False) and "refit_sandwich=" not in row["method"]:
         notes.append("no sandwich inputs")
     return row["method"] + (f" ({', '.join(notes)})" if notes else "")

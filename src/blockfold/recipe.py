@@ -128,26 +128,9 @@ class Recipe(Strict):
         if not isinstance(data, dict):
             return data
         data = dict(data)
-        if data.get("recipe_version") == 1:
-            data = _migrate_v1(data)
-        if data.get("recipe_version") == 2:
-            data = _migrate_v2(data)
-        if data.get("recipe_version") == 3:
-            data = _migrate_v3(data)
-        if data.get("recipe_version") == 4:
-            data = _migrate_v4(data)
-        if data.get("recipe_version") == 5:
-            data = _migrate_v5(data)
-        if data.get("recipe_version") == 6:
-            data = _migrate_v6(data)
-        if data.get("recipe_version") == 7:
-            data = _migrate_v7(data)
-        if data.get("recipe_version") == 8:
-            data = _migrate_v8(data)
-        if data.get("recipe_version") == 9:
-            data = _migrate_v9(data)
-        if data.get("recipe_version") == 10:
-            data = _migrate_v10(data)
+        for version, migrate in _MIGRATIONS.items():  # each one step up, in order
+            if data.get("recipe_version") == version:
+                data = migrate(data)
         method = data.get("method", "replaceme")
         if method not in SETTINGS:
             raise ValueError(f"unknown method {method!r}; choose one of {', '.join(sorted(SETTINGS))}")
@@ -244,47 +227,31 @@ def _migrate_v3(data: dict) -> dict:
 def _migrate_v4(data: dict) -> dict:
     """A version 4 recipe as version 5: ReplaceMe's span criterion, left to the default, was
     ``fit_error_stream``; version 5's default is ``fit_error``."""
-    settings = data.get("settings") or {}
-    if isinstance(settings, dict) and data.get("method", "replaceme") == "replaceme" and "criterion" not in settings:
-        settings = {**settings, "criterion": "fit_error_stream"}
-    return {**data, "recipe_version": 5, "settings": settings}
+    return _keep_old_default(data, ("replaceme",), "criterion", "fit_error_stream", 5)
 
 
 def _migrate_v5(data: dict) -> dict:
     """A version 5 recipe as version 6: NBL's ranking, left to the default, was ``cosine`` on every
     architecture; version 6's default ``auto`` ranks by ``nmse`` on sandwich-norm attention."""
-    settings = data.get("settings") or {}
-    if isinstance(settings, dict) and data.get("method", "replaceme") == "nbl" and "linearity_criterion" not in settings:
-        settings = {**settings, "linearity_criterion": "cosine"}
-    return {**data, "recipe_version": 6, "settings": settings}
+    return _keep_old_default(data, ("nbl",), "linearity_criterion", "cosine", 6)
 
 
 def _migrate_v6(data: dict) -> dict:
     """A version 6 recipe as version 7: ReplaceMe scored candidate spans with the map its estimator
     folds; version 7 scores them with the least-squares map whatever is folded."""
-    settings = data.get("settings") or {}
-    if isinstance(settings, dict) and data.get("method", "replaceme") in ("replaceme", "uidl") \
-            and "span_scoring" not in settings:
-        settings = {**settings, "span_scoring": "estimator"}
-    return {**data, "recipe_version": 7, "settings": settings}
+    return _keep_old_default(data, ("replaceme", "uidl"), "span_scoring", "estimator", 7)
 
 
 def _migrate_v7(data: dict) -> dict:
     """A version 7 recipe as version 8: ReplaceMe folded the map and refitted nothing; version 8
     refits the down-projections around each span by default."""
-    settings = data.get("settings") or {}
-    if isinstance(settings, dict) and data.get("method", "replaceme") == "replaceme" and "refit" not in settings:
-        settings = {**settings, "refit": "none"}
-    return {**data, "recipe_version": 8, "settings": settings}
+    return _keep_old_default(data, ("replaceme",), "refit", "none", 8)
 
 
 def _migrate_v8(data: dict) -> dict:
     """A version 8 recipe as version 9: ReplaceMe's refit fitted the weights alone; version 9 also fits
     the stream's scale after each span (where a refit runs)."""
-    settings = data.get("settings") or {}
-    if isinstance(settings, dict) and data.get("method", "replaceme") == "replaceme" and "refit_scale" not in settings:
-        settings = {**settings, "refit_scale": False}
-    return {**data, "recipe_version": 9, "settings": settings}
+    return _keep_old_default(data, ("replaceme",), "refit_scale", False, 9)
 
 
 def _migrate_v9(data: dict) -> dict:
@@ -300,10 +267,21 @@ def _migrate_v9(data: dict) -> dict:
 def _migrate_v10(data: dict) -> dict:
     """A version 10 recipe as version 11: ReplaceMe's refit left sandwich blocks as they were; version 11
     corrects their input projections (with ``refit: all``)."""
+    return _keep_old_default(data, ("replaceme",), "refit_sandwich", False, RECIPE_VERSION)
+
+
+def _keep_old_default(data: dict, methods: tuple[str, ...], field: str, value, version: int) -> dict:
+    """``data`` as recipe ``version``: a recipe of one of ``methods`` that left ``field`` to the default
+    keeps the ``value`` it ran with, since the new version's default differs."""
     settings = data.get("settings") or {}
-    if isinstance(settings, dict) and data.get("method", "replaceme") == "replaceme" and "refit_sandwich" not in settings:
-        settings = {**settings, "refit_sandwich": False}
-    return {**data, "recipe_version": RECIPE_VERSION, "settings": settings}
+    if isinstance(settings, dict) and data.get("method", "replaceme") in methods and field not in settings:
+        settings = {**settings, field: value}
+    return {**data, "recipe_version": version, "settings": settings}
+
+
+#: recipe version -> the migration that brings it one version up
+_MIGRATIONS = {1: _migrate_v1, 2: _migrate_v2, 3: _migrate_v3, 4: _migrate_v4, 5: _migrate_v5, 6: _migrate_v6,
+               7: _migrate_v7, 8: _migrate_v8, 9: _migrate_v9, 10: _migrate_v10}
 
 
 def _healing_data() -> CalibrationConfig:
