@@ -87,6 +87,16 @@ def earlier_original(path: str, model: str, tasks: list[str], limit: int, dtype_
     return earlier["original"]["accuracy"]
 
 
+def write_results(path: str, results: dict) -> None:
+    """Write the results JSON whole or not at all (a temporary file renamed over it), after the original and
+    after every method, so a long harness run stopped part way keeps what it measured, the original included,
+    for ``--original-from``."""
+    target = Path(path)
+    partial = target.with_name(target.name + ".partial")
+    partial.write_text(json.dumps(results, indent=1))
+    partial.replace(target)
+
+
 def parse_method(spec: str) -> tuple[str, dict]:
     """``prune-comp:compensate=false,importance=perplexity`` → ("prune-comp", {...})."""
     method, _, rest = spec.partition(":")
@@ -155,6 +165,7 @@ def main() -> None:
             results["original"]["accuracy"], results["original_from"] = earlier, args.original_from
         else:
             results["original"]["accuracy"] = accuracy(loaded.model, loaded.tokenizer, tasks, args.limit, dtype)
+    write_results(args.json, results)
     for spec in args.methods.split(","):
         method, settings = parse_method(spec)
         model = copy.deepcopy(loaded.model)
@@ -185,7 +196,7 @@ def main() -> None:
         print(json.dumps({k: row.get(k) for k in ("method", "removed_blocks", "compress_passes", "forward_passes",
                                                   "perplexity")}
                          | ({"rp": row["relative_performance"]["average"]} if tasks else {})), flush=True)
-        Path(args.json).write_text(json.dumps(results, indent=1))
+        write_results(args.json, results)
 
 
 if __name__ == "__main__":
