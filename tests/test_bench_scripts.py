@@ -13,6 +13,16 @@ BENCH = Path(__file__).resolve().parents[1] / "bench"
 SCRIPTS = sorted(path.name for path in BENCH.glob("*.py"))
 
 
+def _bench_module(name: str):
+    """Import ``bench/<name>.py`` (the bench folder is not a package) to test its helpers."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_bench_script_imports_and_shows_its_help(script):
     done = subprocess.run([sys.executable, str(BENCH / script), "--help"], capture_output=True, text=True,
@@ -40,12 +50,9 @@ def test_provenance_marks_code_changes_dirty_but_not_results_or_prose(tmp_path, 
 def test_serving_bench_makes_a_plain_folder_and_each_part_keeps_the_other(tmp_path):
     """bench/serving.py --part llamacpp: the converted folder without its GGUF record, and a merge into
     the serving JSON that leaves the engine rows (vLLM's among them) as they are."""
-    import importlib.util
     import json
 
-    spec = importlib.util.spec_from_file_location("bench_serving", BENCH / "serving.py")
-    serving = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(serving)
+    serving = _bench_module("serving")
     converted = tmp_path / "converted"
     converted.mkdir()
     for name in ("config.json", "model.safetensors", "tokenizer.json", "blockfold_source.json"):
@@ -65,11 +72,7 @@ def test_new_methods_bench_keeps_the_original_before_any_row(tmp_path):
     """The file bench/new_methods.py writes once the original is measured, before any method's row, serves
     ``--original-from`` (a long harness run stopped part way keeps the original's quarter hour), and the
     write leaves no temporary file; a different limit is still refused."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("bench_new_methods", BENCH / "new_methods.py")
-    new_methods = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(new_methods)
+    new_methods = _bench_module("new_methods")
     accuracy = {"piqa": {"acc": 0.6}}
     results = {"model": "gemma3-270m", "tasks": ["piqa"], "limit": 500, "eval_dtype": "float32",
                "original": {"accuracy": accuracy}, "rows": []}
