@@ -21,6 +21,7 @@ import blockfold
 from blockfold.api import provenance
 from blockfold.data import build_calibration
 from blockfold.eval import perplexity, read_eval_text, tokenize_windows
+from blockfold.jsonfile import write_json
 from blockfold.recipe import CalibrationConfig, Recipe
 
 DATA = Path(os.environ.get("BLOCKFOLD_DATA", "../shared/data"))
@@ -55,7 +56,7 @@ def main() -> None:
                          "calibration": calibration.description, "recipe": recipe.model_dump(mode="json")})
             print(json.dumps({k: rows[-1][k] for k in ("model", "packing", "removed_blocks", "perplexity")}), flush=True)
         del loaded
-    Path(args.json).write_text(json.dumps({"rows": rows, "ppl_windows": args.ppl_windows, "provenance": started}, indent=1))
+    write_json(args.json, {"rows": rows, "ppl_windows": args.ppl_windows, "provenance": started}, indent=1)
 
 
 if __name__ == "__main__":

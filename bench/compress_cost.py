@@ -84,6 +84,7 @@ def main() -> None:
         print(json.dumps(measure_peak_rss(args.model, args.rss_child, args.calib)))
         return
     from blockfold.api import provenance
+    from blockfold.jsonfile import write_json
 
     started = provenance(["bench/compress_cost.py", *sys.argv[1:]])
     sizes = [int(s) for s in args.sequences.split(",")]
@@ -98,8 +99,7 @@ def main() -> None:
     result = {"time": ratio, "memory": memory,
               "peak_rss_ratio": memory[-1]["peak_rss_during_compress_mib"] / memory[0]["peak_rss_during_compress_mib"],
               "threads": torch.get_num_threads(), "cpus": os.cpu_count(), "provenance": started}
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(result, indent=2))
+    write_json(args.json, result, indent=2)
     print(f"compress / forward = {ratio['ratio'] if ratio else float('nan'):.2f}; peak RSS {memory[-1]['sequences']} vs "
           f"{memory[0]['sequences']} sequences = {result['peak_rss_ratio']:.3f}")
 

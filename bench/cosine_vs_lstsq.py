@@ -25,6 +25,7 @@ from blockfold.api import provenance
 from blockfold.data import build_calibration
 from blockfold.estimate import fit_lstsq, fit_numerically
 from blockfold.eval import perplexity, read_eval_text, tokenize_windows
+from blockfold.jsonfile import write_json
 from blockfold.pipelines import run_observers
 from blockfold.recipe import CalibrationConfig
 from blockfold.settings import CosineConfig
@@ -84,8 +85,7 @@ def main() -> None:
                           "perplexity": perplexity(model, windows)["perplexity"]}
         print(label, json.dumps(results[label]))
         del model
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps({**results, "provenance": started}, indent=2))
+    write_json(args.json, {**results, "provenance": started}, indent=2)
     print("\n| map | cosine dist. (held-out) | rel. sq. error (held-out) | norm ratio, median | norm ratio, top-1% tokens | ppl |")
     print("|---|---|---|---|---|---|")
     for label, r in results.items():

@@ -29,6 +29,7 @@ from blockfold.data import build_calibration
 from blockfold.errors import BlockfoldError
 from blockfold.estimate import fit_span_map
 from blockfold.eval import perplexity, tokenize_windows
+from blockfold.jsonfile import write_json
 from blockfold.methods import Job, PassCache
 from blockfold.methods.replaceme import measure_spans
 from blockfold.pipelines import Runner
@@ -201,7 +202,7 @@ def main() -> None:
             model_results["nbl"] = nbl_study(loaded, int(layers), calibration, texts)
             model_results["nbl"]["verdict"] = verdict(model_results["nbl"])
         results["models"][item] = model_results  # model:blocks:layers, so budgets of one model stay apart
-        Path(args.json).write_text(json.dumps(results, indent=1))
+        write_json(args.json, results, indent=1)
         del loaded
 
 

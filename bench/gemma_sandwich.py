@@ -27,6 +27,7 @@ from blockfold.api import provenance
 from blockfold.data import build_calibration
 from blockfold.estimate import fit_lstsq
 from blockfold.eval import perplexity, read_eval_text, tokenize_windows
+from blockfold.jsonfile import write_json
 from blockfold.pipelines import run_observers
 from blockfold.recipe import CalibrationConfig, Recipe
 from blockfold.stats import SpanStatistics
@@ -100,14 +101,13 @@ def main() -> None:
            "auto_regime": default.manifest["transform"]["regime"], "perplexity": rows, "relative_fit_error": errors,
            "recipe": default.recipe.model_dump(mode="json"), "calibration": calibration.description,
            "ppl_windows": args.ppl_windows, "provenance": started}
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(out, indent=2))  # the table, before the long placement study
+    write_json(args.json, out, indent=2)  # the table, before the long placement study
     if args.placement:
         from blockfold.sweep import placement_study
 
         out["placement"] = placement_study(loaded, calibration, args.blocks, windows[:args.placement_windows])
         out["placement"]["ppl_windows"] = min(args.placement_windows, len(windows))
-        Path(args.json).write_text(json.dumps(out, indent=2))
+        write_json(args.json, out, indent=2)
     print(f"\nremoved blocks {blocks[0]}-{blocks[-1]} of {num_layers}\n")
     print("| variant | relative fit error | WikiText-2 ppl |\n|---|---|---|")
     for label, ppl in rows.items():

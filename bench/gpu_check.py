@@ -24,6 +24,7 @@ import torch
 import blockfold
 from blockfold.data import build_calibration
 from blockfold.eval import perplexity, read_eval_text, tokenize_windows
+from blockfold.jsonfile import write_json
 from blockfold.recipe import Recipe
 from blockfold.runtime import Execution
 
@@ -86,8 +87,7 @@ def main() -> int:
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     report = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "commit": commit,
               "seconds": time.perf_counter() - started, "rows": rows, "failures": len(failures)}
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "gpu_check.json").write_text(json.dumps(report, indent=1))
+    write_json(out_dir / "gpu_check.json", report, indent=1)
     print(f"gpu-check: {len(rows) - len(failures)} of {len(rows)} runs agree with the CPU "
           f"({report['seconds']:.0f} s on {report['gpu']})")
     return 1 if failures else 0

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import blockfold
 from blockfold.api import provenance
+from blockfold.jsonfile import write_json
 
 DATA = Path(os.environ.get("BLOCKFOLD_DATA", "../shared/data"))
 
@@ -58,9 +59,9 @@ def main() -> None:
                          "linearized_down_proj_blocks": record.get("linearized_down_proj_blocks"),
                          "settings": {k: record[k] for k in ("steps", "learning_rate", "mode")}})
             print(json.dumps(runs[-1]), flush=True)
-    Path(args.json).write_text(json.dumps({"model": args.model, "blocks": args.blocks, "regime": transform.get("regime"),
-                                           "recipe": recipe.model_dump(mode="json"), "runs": runs,
-                                           "provenance": started}, indent=1))
+    write_json(args.json, {"model": args.model, "blocks": args.blocks, "regime": transform.get("regime"),
+                          "recipe": recipe.model_dump(mode="json"), "runs": runs,
+                          "provenance": started}, indent=1)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ from blockfold.api import as_handle, provenance
 from blockfold.data import build_calibration
 from blockfold.eval import perplexity, read_eval_text, tokenize_windows
 from blockfold.eval.speed import benchmark, parameter_counts
+from blockfold.jsonfile import write_json
 from blockfold.methods.nbl import all_scores, drop_attention, linearize
 from blockfold.pipelines import run_observers
 from blockfold.recipe import CalibrationConfig, Recipe
@@ -98,7 +99,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
 
     def save():
-        out.write_text(json.dumps(results, indent=2, default=str))
+        write_json(out, results, indent=2, default=str)
 
     runs = [r for r in args.attention_runs.split(",") if r]
     if runs:

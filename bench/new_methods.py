@@ -32,6 +32,7 @@ from blockfold.adapters import get_adapter
 from blockfold.api import as_handle, count_parameters, provenance
 from blockfold.data import build_calibration
 from blockfold.eval.tasks import evaluate_tasks, relative_performance
+from blockfold.jsonfile import write_json
 from blockfold.pipelines import Runner
 from blockfold.recipe import CalibrationConfig, Recipe
 from blockfold.stats import SpanStatistics
@@ -85,16 +86,6 @@ def earlier_original(path: str, model: str, tasks: list[str], limit: int, dtype_
         raise SystemExit(f"--original-from {path}: it measured {found}, this run measures {wanted}; give a run of the "
                          "same model, tasks, limit and dtype, or leave the option out to measure the original here")
     return earlier["original"]["accuracy"]
-
-
-def write_results(path: str, results: dict) -> None:
-    """Write the results JSON whole or not at all (a temporary file renamed over it), after the original and
-    after every method, so a long harness run stopped part way keeps what it measured, the original included,
-    for ``--original-from``."""
-    target = Path(path)
-    partial = target.with_name(target.name + ".partial")
-    partial.write_text(json.dumps(results, indent=1))
-    partial.replace(target)
 
 
 def parse_method(spec: str) -> tuple[str, dict]:
@@ -165,7 +156,7 @@ def main() -> None:
             results["original"]["accuracy"], results["original_from"] = earlier, args.original_from
         else:
             results["original"]["accuracy"] = accuracy(loaded.model, loaded.tokenizer, tasks, args.limit, dtype)
-    write_results(args.json, results)
+    write_json(args.json, results)  # now and after every row: a run stopped part way keeps the original
     for spec in args.methods.split(","):
         method, settings = parse_method(spec)
         model = copy.deepcopy(loaded.model)
@@ -196,7 +187,7 @@ def main() -> None:
         print(json.dumps({k: row.get(k) for k in ("method", "removed_blocks", "compress_passes", "forward_passes",
                                                   "perplexity")}
                          | ({"rp": row["relative_performance"]["average"]} if tasks else {})), flush=True)
-        write_results(args.json, results)
+        write_json(args.json, results)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
 import blockfold
 from blockfold.api import provenance
+from blockfold.jsonfile import write_json
 from blockfold.models.sources import resolve_model_path
 
 DATA = Path(os.environ.get("BLOCKFOLD_DATA", "../shared/data"))
@@ -79,9 +80,9 @@ def main() -> None:
                                      "quantization_config", {}).get("llm_int8_skip_modules")}
                                 if folder == output else {})})
                 print(json.dumps(rows[-1]), flush=True)
-    Path(args.json).write_text(json.dumps({"model": args.model, "blocks": args.blocks,
-                                           "recipe": recipe.model_dump(mode="json"), "ppl_windows": args.ppl_windows,
-                                           "rows": rows, "provenance": started}, indent=1))
+    write_json(args.json, {"model": args.model, "blocks": args.blocks,
+                          "recipe": recipe.model_dump(mode="json"), "ppl_windows": args.ppl_windows,
+                          "rows": rows, "provenance": started}, indent=1)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import blockfold
 from blockfold.api import provenance
 from blockfold.data import build_calibration
 from blockfold.eval import perplexity, read_eval_text, tokenize_windows
+from blockfold.jsonfile import write_json
 from blockfold.recipe import CalibrationConfig, Recipe
 
 DATA = Path(os.environ.get("BLOCKFOLD_DATA", "../shared/data"))
@@ -69,8 +70,7 @@ def main() -> None:
         results["runs"].append(entry)
         print(json.dumps(entry))
         del model
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(results, indent=2))
+    write_json(args.json, results, indent=2)
     print(f"\n| run | removed blocks | WikiText-2 ppl | relative fit error |\n|---|---|---|---|\n| original | - | {results['original']:.2f} | - |")
     for e in results["runs"]:
         print(f"| {e['run']} | {e['removed_blocks'][0]}-{e['removed_blocks'][-1]} | {e['perplexity']:.2f} | {e['relative_fit_error']:.4f} |")

@@ -31,6 +31,7 @@ from blockfold.data import build_calibration
 from blockfold.estimate import fit_span_map
 from blockfold.eval import perplexity, read_eval_text, tokenize_windows
 from blockfold.healing import heal
+from blockfold.jsonfile import write_json
 from blockfold.methods import Job, PassCache
 from blockfold.methods.replaceme import measure_spans
 from blockfold.pipelines import Runner
@@ -90,8 +91,7 @@ def main() -> None:
                "relative_fit_error": [s["transform"].get("relative_fit_error") for s in spans]}
         results.setdefault(group, {})[name] = row
         print(f"{group:12} {name:28} removed {row['removed_blocks']} ppl {ppl:.2f}", flush=True)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(results, indent=2))
+        write_json(path, results, indent=2)
 
     groups = args.groups.split(",")
     if {"criteria", "estimators"} & set(groups):
@@ -149,7 +149,7 @@ def main() -> None:
             candidate = heal(candidate, heal_data, HealConfig(mode=mode, steps=args.heal_steps), manifest)
             record("healing", mode, candidate, manifest, time.perf_counter() - started)
             results["healing"][mode]["healing"] = manifest["healing"]
-        path.write_text(json.dumps(results, indent=2))
+        write_json(path, results, indent=2)
 
 
 if __name__ == "__main__":

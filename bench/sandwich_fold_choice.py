@@ -24,6 +24,7 @@ from blockfold.api import provenance
 from blockfold.data import build_calibration
 from blockfold.errors import BlockfoldError
 from blockfold.eval import perplexity, read_eval_text, tokenize_windows
+from blockfold.jsonfile import write_json
 from blockfold.methods import PassCache
 from blockfold.recipe import CalibrationConfig, Recipe
 
@@ -74,7 +75,7 @@ def main() -> None:
     if args.summarize_only:
         out = json.loads(Path(args.json).read_text())
         out.update(summary=summarize(out["rows"]), summary_provenance=started)
-        Path(args.json).write_text(json.dumps(out, indent=2))
+        write_json(args.json, out, indent=2)
         print(json.dumps(out["summary"], indent=2))
         return
 
@@ -113,10 +114,10 @@ def main() -> None:
         rows.append(row)
         print(start, json.dumps({k: row[k] for k in ("perplexity", "sample_loss", "held_out_loss", "held_out_cosine")}),
               flush=True)
-        Path(args.json).write_text(json.dumps({"rows": rows, "partial": True}, indent=2))  # survives a stopped run
+        write_json(args.json, {"rows": rows, "partial": True}, indent=2)  # survives a stopped run
     out = {"model": args.model, "blocks": args.blocks, "calibration": calibration.description,
            "ppl_windows": args.ppl_windows, "rows": rows, "summary": summarize(rows), "provenance": started}
-    Path(args.json).write_text(json.dumps(out, indent=2))
+    write_json(args.json, out, indent=2)
     print(json.dumps(out["summary"], indent=2))
 
 

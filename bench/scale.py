@@ -176,13 +176,13 @@ def main() -> None:
     args.extra = extra
     args.work.mkdir(parents=True, exist_ok=True)
     from blockfold.api import provenance
+    from blockfold.jsonfile import write_json
 
     started = provenance(["bench/scale.py", *sys.argv[1:]])
     result = {"depth": depth, "small": small, "tinyllama": tinyllama, "big": big}[args.section](args)
     results = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
     results[args.section] = {**result, "provenance": started}
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(results, indent=1))
+    write_json(RESULTS, results, indent=1)
 
 
 if __name__ == "__main__":

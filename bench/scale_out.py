@@ -25,6 +25,7 @@ import torch
 from safetensors.torch import load_file
 
 from blockfold.api import provenance
+from blockfold.jsonfile import write_json
 
 DATA = Path(os.environ.get("BLOCKFOLD_DATA", "../shared/data"))
 
@@ -146,7 +147,7 @@ def main() -> None:
                                     "identical_to_uncached": _same(tmp / "c2", tmp / "c3"),
                                     "difference_to_uncached": _difference(tmp / "c2", tmp / "c3")})
             print(json.dumps(record["cache"][-1]), flush=True)
-    Path(args.json).write_text(json.dumps(record, indent=1))
+    write_json(args.json, record, indent=1)
 
 
 if __name__ == "__main__":

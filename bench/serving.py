@@ -48,6 +48,7 @@ from blockfold.errors import BlockfoldError
 from blockfold.eval import tokenize_windows
 from blockfold.export import export_gguf
 from blockfold.export.gguf import _source_gguf  # the source GGUF a converted model records
+from blockfold.jsonfile import write_json
 from blockfold.models.sources import resolve_model_path
 from blockfold.serving import read_prompts, run_engine, transformers_greedy
 
@@ -286,7 +287,7 @@ def main() -> None:
             model, blocks = spec.split(":")[:2]
             (args.work / model).mkdir(parents=True, exist_ok=True)
             part["models"].append(measure_llamacpp(model, int(blocks), args.work / model, calibration, args))
-            Path(args.json).write_text(json.dumps(_merged(Path(args.json), {"llamacpp": part}), indent=1))
+            write_json(args.json, _merged(Path(args.json), {"llamacpp": part}), indent=1)
         return
     record = {"provenance": command, "prompts": args.prompts,
               "new_tokens": args.new_tokens, "threads": args.threads, "models": []}
@@ -306,7 +307,7 @@ def main() -> None:
         entry["round_trip"] = round_trip(model, folders[f"replaceme-{blocks}"], scratch, args)
         record["models"].append(entry)
         kept = {key: value for key, value in _merged(Path(args.json), {}).items() if key == "llamacpp"}
-        Path(args.json).write_text(json.dumps({**record, **kept}, indent=1))
+        write_json(args.json, {**record, **kept}, indent=1)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ perplexity evaluation. On sandwich-norm blocks (Gemma) each start gets the fold 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -22,6 +21,7 @@ import blockfold
 from blockfold.api import provenance
 from blockfold.data import build_calibration
 from blockfold.eval import read_eval_text, tokenize_windows
+from blockfold.jsonfile import write_json
 from blockfold.recipe import CalibrationConfig
 from blockfold.sweep import placement_study
 
@@ -47,8 +47,7 @@ def main() -> None:
     study = placement_study(loaded, calibration, args.blocks, windows)
     results = {"model": args.model, "calibration": calibration.description, "calibration_config": config.model_dump(mode="json"),
                "ppl_windows": args.ppl_windows, **study, "provenance": started}
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(results, indent=2))
+    write_json(args.json, results, indent=2)
     print(f"best start {study['best']['start']} (ppl {study['best']['perplexity']:.2f})")
     print("| criterion | chosen start | ppl of its choice | Spearman ρ with log ppl |\n|---|---|---|---|")
     for name, summary in study["criteria"].items():

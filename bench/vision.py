@@ -29,6 +29,7 @@ from transformers import AutoConfig, AutoModel, CLIPImageProcessorPil
 import blockfold
 from blockfold.api import count_parameters, provenance
 from blockfold.eval.vision import embedding_agreement, image_embeddings, knn_accuracy
+from blockfold.jsonfile import write_json
 from blockfold.models import load_model
 
 #: openai/clip-vit-base-patch32's vision_config, as published
@@ -102,7 +103,7 @@ def main() -> None:
                 results["rows"].append(row)
                 print(json.dumps({k: row[k] for k in ("method", "blocks", "removed_blocks", "agreement", "knn_accuracy")}),
                       flush=True)
-                Path(args.json).write_text(json.dumps(results, indent=1))
+                write_json(args.json, results, indent=1)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

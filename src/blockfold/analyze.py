@@ -9,7 +9,6 @@ subset of tokens (``cka_tokens``), since exact streaming CKA for all pairs needs
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from pathlib import Path
@@ -18,6 +17,7 @@ import numpy as np
 
 from blockfold.data import CalibrationSet
 from blockfold import distributed
+from blockfold.jsonfile import write_json
 from blockfold.models.handle import ModelHandle
 from blockfold.pipelines import Runner
 from blockfold.runtime import Execution
@@ -108,5 +108,5 @@ def _write(num_layers: int, calibration: CalibrationSet, out: Path, spans: SpanS
         "linearity": linearity,
         "figures": {name: path.name for name, path in figures.items()},
     }
-    (out / "analysis.json").write_text(json.dumps(result, indent=1))
+    write_json(out / "analysis.json", result)
     return result

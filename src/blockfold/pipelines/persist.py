@@ -17,6 +17,7 @@ import torch
 
 from blockfold.data import Batch
 from blockfold.errors import BlockfoldError
+from blockfold.jsonfile import write_json
 from blockfold.stats.state import (STATE_FORMAT, describe, digest, load_observer_state, map_leaves, observer_state,
                                    read_meta, read_state, write_state)
 
@@ -77,8 +78,7 @@ class Checkpoints:
                 raise BlockfoldError(f"{self.folder} holds checkpoints of a run with another {', '.join(changed)}: "
                                      "give --no-resume to start afresh (it deletes them), or another --out")
             return
-        self.folder.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(run))
+        write_json(path, run, indent=None)
 
     def _path(self, number: int) -> Path:
         return self.folder / f"pass-{number}-rank{self.rank}"

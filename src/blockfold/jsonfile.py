@@ -1,0 +1,29 @@
+"""Results files written whole or not at all.
+
+A run stopped while it writes its JSON (killed, out of disk) must not leave a truncated file where a
+reader, a later ``--original-from`` or ``--resume``, expects results: the text is serialised first,
+written beside the target under a staging name (``.<name>.partial-<pid>``, the convention of the
+checkpoint writer) and renamed over it, so the target is always the previous file or the new one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+
+def write_json(path: str | Path, data: Any, indent: int | None = 1, default: Callable[[Any], Any] | None = None) -> Path:
+    """Write ``data`` as JSON to ``path`` (its folder made if missing) in one rename; returns the path."""
+    target = Path(path)
+    text = json.dumps(data, indent=indent, default=default)  # a value JSON cannot hold fails before any file exists
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = target.with_name(f".{target.name}.partial-{os.getpid()}")
+    try:
+        staging.write_text(text)
+        os.replace(staging, target)
+    except BaseException:
+        staging.unlink(missing_ok=True)
+        raise
+    return target
