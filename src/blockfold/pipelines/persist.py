@@ -138,8 +138,7 @@ class StatsCache:
             raise BlockfoldError(f"--stats-cache {self.folder} holds files but is not a statistics cache: {fix}")
         else:
             try:
-                self.folder.mkdir(parents=True, exist_ok=True)
-                marker.write_text(json.dumps({"format": STATE_FORMAT}))
+                write_json(marker, {"format": STATE_FORMAT}, indent=None)
             except OSError as error:
                 raise BlockfoldError(f"--stats-cache {self.folder} cannot be written ({error.strerror}): {fix}") from None
 
