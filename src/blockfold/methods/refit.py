@@ -32,8 +32,9 @@ With ``refit="all"`` (recipe version 10's default) each refitted block after the
 what it reads: before its attention output, one map ``M`` from the compressed stream's normed input
 to the original's (``min ‖n_c M − n_o‖² + λ‖M − I‖²``) is folded into every projection that reads it
 (q, k, v: ``W ← W Mᵀ``), and likewise before its down-projection for the MLP's (gate, up). Since those
-projections share their input, this one solve is each one's ridge fit toward its weight. Still no
-parameter added.
+projections share their input, this one solve is each one's ridge fit toward its weight. Where both
+sublayers read one norm (phi's and cohere's parallel blocks) one map serves q, k, v and the MLP's input
+projection together (``shared_inputs`` in the manifest). Still no parameter added.
 
 With ``stream_scale`` (recipe version 9's default) the refit of the block before each span also
 fits one scalar ``s`` on the rest of that block's output (its input plus its attention output), jointly
@@ -182,8 +183,9 @@ class DownstreamRefit:
                     report.append({"block": index, "skipped": reason})
                 elif index in refitted_layers:
                     entry = {"block": index}
-                    if "attention" in norms:
-                        entry["attention_inputs"] = self._refit_inputs(program, "attention", *norms["attention"], run)
+                    for name in ("attention", "shared"):  # before the attention output's refit, which reads them
+                        if name in norms:
+                            entry[f"{name}_inputs"] = self._refit_inputs(program, name, *norms[name], run)
                     if isinstance(attention, nn.Linear):
                         entry["attention"] = self._refit_projection(program, attention, run, "middle", True)
                     elif attention is not None:
@@ -248,13 +250,15 @@ class DownstreamRefit:
 
     def _input_norms(self, block: nn.Module) -> dict[str, tuple[nn.Module, list[nn.Linear]]]:
         """Each sublayer whose input projections can be refitted: its input norm and the projections
-        that read that norm's output."""
-        adapter, norms = self.job.adapter, {}
-        for name, norm in (("attention", adapter.input_norm(block)), ("mlp", adapter.pre_mlp_norm(block))):
-            linears = adapter.input_projections(block, name)
-            if linears:
-                norms[name] = (norm, linears)
-        return norms
+        that read that norm's output. Where both sublayers read one norm (phi's and cohere's parallel
+        blocks) that is one group, ``shared``: the same inputs and targets, so one solve serves both."""
+        adapter = self.job.adapter
+        attention_norm, mlp_norm = adapter.input_norm(block), adapter.pre_mlp_norm(block)
+        groups = {"attention": (attention_norm, adapter.input_projections(block, "attention")),
+                  "mlp": (mlp_norm, adapter.input_projections(block, "mlp"))}
+        if attention_norm is mlp_norm:
+            groups = {"shared": (attention_norm, groups["attention"][1] + groups["mlp"][1])}
+        return {name: (norm, linears) for name, (norm, linears) in groups.items() if linears}
 
     def _refit_inputs(self, program: LayerProgram, name: str, norm: nn.Module, linears: list[nn.Linear], run) -> dict:
         """Fit one map ``M`` from the compressed stream's normed input of a sublayer to the original's

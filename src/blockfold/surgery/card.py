@@ -71,7 +71,7 @@ def _what_was_done(manifest: dict) -> str:
         entries = (manifest.get("refit") or {}).get("blocks", [])
         written = [entry["block"] for entry in entries if "relative_error_before" in entry]  # down-projection refitted
         read = {entry["block"] for entry in entries  # input projections refitted
-                if any(part in entry and "skipped" not in entry[part] for part in ("attention_inputs", "mlp_inputs"))}
+                if any(part in entry and "skipped" not in entry[part] for part in ("attention_inputs", "mlp_inputs", "shared_inputs"))}
         read_and_written, read_only = sorted(read & set(written)), sorted(read - set(written))
         if written:
             text += (f" Then the down-projections of blocks {', '.join(map(str, written))} of the result were refitted, "
