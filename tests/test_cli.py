@@ -236,6 +236,20 @@ def test_inconsistent_variant_flags_are_refused(capsys, tiny_folder, corpus, tmp
     assert not out.exists()
 
 
+@pytest.mark.parametrize("command", ["eval", "bench"])
+def test_a_json_path_that_cannot_be_written_is_refused_before_the_run(capsys, tiny_folder, tmp_path, command):
+    """A folder given as --json (or a path under a file) would fail only when the results are written, after
+    the whole evaluation: it is refused first, in one line, and nothing is written."""
+    place = tmp_path / "results"
+    place.mkdir()
+    in_the_way = place / "a-file"
+    in_the_way.write_text("")
+    for target, needles in ((place, ["is a folder", "results.json"]), (in_the_way / "r.json", ["is a file"])):
+        code, err = _run(capsys, command, "--model", str(tiny_folder), "--json", str(target))
+        _assert_one_line_error(code, err, "--json", *needles)
+    assert [p.name for p in place.iterdir()] == ["a-file"] and in_the_way.read_text() == ""
+
+
 def test_unreadable_calibration_files(capsys, tiny_folder, tmp_path):
     """Random bytes and a malformed JSON line name the file (and the line) instead of a traceback."""
     binary = tmp_path / "random.jsonl"

@@ -14,7 +14,7 @@ import warnings
 from pathlib import Path
 
 from blockfold.errors import BlockfoldError
-from blockfold.jsonfile import write_json
+from blockfold.jsonfile import check_json_target, write_json
 
 DATA_DIR = Path(os.environ.get("BLOCKFOLD_DATA", "../shared/data"))
 DEFAULT_PPL_TEXT = DATA_DIR / "wikitext2_test.txt"
@@ -511,7 +511,8 @@ def cmd_eval(args) -> int:
     from blockfold.eval.vision import KNN_NEIGHBOURS
 
     knn_label = f"{KNN_NEIGHBOURS}-NN accuracy"
-
+    if args.json:
+        check_json_target(args.json)
     tasks = [t for t in (args.tasks or "").split(",") if t]
     ppl_path = args.ppl if args.ppl is not None else (None if tasks or args.images else str(DEFAULT_PPL_TEXT))
     results = evaluate(args.model, perplexity_text=ppl_path, tasks=tasks, baseline=args.baseline,
@@ -694,6 +695,8 @@ def cmd_bench(args) -> int:
         lengths = tuple(int(x) for x in args.lengths.split(","))
     except ValueError:
         raise BlockfoldError(f"--lengths {args.lengths!r} is not a comma-separated list of integers, e.g. 256,1024") from None
+    if args.json:
+        check_json_target(args.json)
     if args.threads:
         torch.set_num_threads(args.threads)
     against = _source_of(args.model) if args.against == "auto" else args.against

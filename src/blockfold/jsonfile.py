@@ -13,6 +13,8 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
+from blockfold.errors import BlockfoldError
+
 
 def write_json(path: str | Path, data: Any, indent: int | None = 1, default: Callable[[Any], Any] | None = None) -> Path:
     """Write ``data`` as JSON to ``path`` (its folder made if missing) in one rename; returns the path."""
@@ -27,3 +29,18 @@ def write_json(path: str | Path, data: Any, indent: int | None = 1, default: Cal
         staging.unlink(missing_ok=True)
         raise
     return target
+
+
+def check_json_target(path: str | Path, option: str = "--json") -> None:
+    """Refuse a results path that cannot be written before the run it ends, not after: a folder, or
+    a path under a file or under a folder this process cannot write to."""
+    target = Path(path).expanduser()
+    if target.is_dir():
+        raise BlockfoldError(f"{option} {path} is a folder: give a file path, e.g. {target / 'results.json'}")
+    existing = target.parent
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise BlockfoldError(f"{option} {path}: {existing} is a file, not a folder: give another path")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise BlockfoldError(f"{option} {path}: {existing} is not writable by this user: give another path")
