@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -24,6 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from blockfold.errors import BlockfoldError
+from blockfold.jsonfile import write_json
 
 #: bump when the layout of saved states changes; a state of another format is refused, not read
 STATE_FORMAT = "blockfold-stats/1"
@@ -124,10 +124,8 @@ def write_state(path: Path, tree, meta: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tensors_name = f"{path.name}.{uuid.uuid4().hex[:12]}.safetensors"
     save_file(tensors, str(path.parent / tensors_name))
-    json_path = path.with_suffix(".json")
-    partial = json_path.with_name(json_path.name + ".partial")
-    partial.write_text(json.dumps({"format": STATE_FORMAT, **meta, "tensors": tensors_name, "structure": structure}))
-    os.replace(partial, json_path)
+    write_json(path.with_suffix(".json"), {"format": STATE_FORMAT, **meta, "tensors": tensors_name, "structure": structure},
+               indent=None)
     for old in path.parent.glob(f"{path.name}.*.safetensors"):
         if old.name != tensors_name:
             old.unlink(missing_ok=True)
