@@ -782,7 +782,7 @@ SECTIONS: dict[str, tuple[str | tuple[str, ...], Callable]] = {
                   "new_methods_accuracy_part6.json", "new_methods_accuracy_part7.json", "new_methods_accuracy_4.json",
                   "new_methods_accuracy_12.json", "new_methods_accuracy_12_spans.json",
                   "new_methods_accuracy_gemma_4.json", "new_methods_accuracy_gemma_4_part2.json",
-                  "new_methods_accuracy_gemma_4_part3.json"),
+                  "new_methods_accuracy_gemma_4_part3.json", "new_methods_accuracy_gemma_4_part4.json"),
                  render_accuracy),
     "vision": ("vision.json", render_vision),
     "refit": (("new_methods_part2.json", "refit_study_part1.json", "refit_study_part2.json", "refit_study_part3.json",
