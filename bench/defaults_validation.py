@@ -138,6 +138,24 @@ def selection_study(loaded, blocks: int, calibration, texts: dict) -> dict:
     return {"blocks": blocks, "rows": rows}
 
 
+def compare_study(loaded, blocks: int, calibration) -> dict:
+    """Issue #16 item 3: ``span_scoring: compare`` for each estimator and fit criterion: which span it
+    keeps (lstsq's or the folded map's, by held-out calibration loss) where the two differ. No text is
+    measured here: the selection study measured every span either scoring picks."""
+    cache = PassCache()
+    rows = []
+    for name, settings in SCORED_ESTIMATORS.items():
+        for criterion in ("fit_error", "fit_error_stream"):
+            result = blockfold.compress(as_handle(copy.deepcopy(loaded.model), loaded.tokenizer, None),
+                                        recipe=Recipe(blocks=blocks, criterion=criterion, span_scoring="compare",
+                                                      **settings),
+                                        calibration=calibration, cache=cache)
+            rows.append({"estimator": name, "criterion": criterion, "start": result.manifest["removed_blocks"][0],
+                         "comparison": result.manifest["selection"].get("span_scoring_comparison")})
+            print(json.dumps(rows[-1]), flush=True)
+    return {"blocks": blocks, "rows": rows}
+
+
 #: sandwich-norm models: auto (linearized-norm) against through-norm, the fold version 3's auto chose on Gemma
 FOLDS = {"auto": {"sandwich_fold": "auto"}, "through-norm": {"sandwich_fold": "through-norm"}}
 
@@ -170,7 +188,8 @@ def main() -> None:
                         help="model:blocks:attention layers, comma-separated")
     parser.add_argument("--studies", default="span,nbl",
                         help="span, nbl, estimator (the maps of 'Best configuration'), fold (sandwich-norm models), "
-                             "selection (each estimator's span scored by its own map or by lstsq)")
+                             "selection (each estimator's span scored by its own map or by lstsq), "
+                             "compare (the span span_scoring compare keeps for each estimator)")
     parser.add_argument("--windows", type=int, default=40, help="windows of 512 tokens per held-out text")
     parser.add_argument("--calib", default="c4", choices=["c4", "self"],
                         help="c4: c4_demo documents 0-127 (the issue-2 recipe); self: text the model writes (the CLI's default)")
@@ -184,9 +203,11 @@ def main() -> None:
         config = (CalibrationConfig(source=str(DATA / "c4_demo.jsonl"), max_documents=CALIBRATION_DOCUMENTS)
                   if args.calib == "c4" else CalibrationConfig(source="self"))
         calibration = build_calibration(config, loaded.tokenizer, loaded.model)
-        texts = evaluation_texts(loaded.tokenizer, args.windows)
-        model_results = {"original": measure(loaded.model, texts, "original"), "calibration": calibration.description}
         studies = args.studies.split(",")
+        model_results = {"calibration": calibration.description}
+        if set(studies) != {"compare"}:  # every other study measures text
+            texts = evaluation_texts(loaded.tokenizer, args.windows)
+            model_results["original"] = measure(loaded.model, texts, "original")
         if "span" in studies:
             model_results["span"] = span_study(loaded, int(blocks), calibration, texts)
             model_results["span"]["verdict"] = verdict(model_results["span"])
@@ -198,6 +219,8 @@ def main() -> None:
             model_results["fold"]["verdict"] = verdict(model_results["fold"])
         if "selection" in studies:
             model_results["selection"] = selection_study(loaded, int(blocks), calibration, texts)
+        if "compare" in studies:
+            model_results["compare"] = compare_study(loaded, int(blocks), calibration)
         if "nbl" in studies:
             model_results["nbl"] = nbl_study(loaded, int(layers), calibration, texts)
             model_results["nbl"]["verdict"] = verdict(model_results["nbl"])

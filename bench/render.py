@@ -742,10 +742,18 @@ def render_vision(results: dict) -> str:
 
 
 def render_selection(parts: list[dict]) -> str:
-    """Issue #16 item 3: each estimator's span under each fit criterion, scored by its own map or by lstsq."""
+    """Issue #16 item 3: each estimator's span under each fit criterion, scored by its own map or by
+    lstsq; then which of the two ``span_scoring: compare`` kept, with the perplexities the selection
+    study measured for both."""
     lines = []
+    measured = {(key, row["estimator"], row["start"]): row["perplexity"]
+                for results in parts for key, model in results["models"].items() if "selection" in model
+                for row in model["selection"]["rows"]}
     for results in parts:
         for key, model in results["models"].items():
+            if "compare" in model:
+                lines += _render_scoring_comparison(key, model, measured)
+                continue
             study = model["selection"]
             texts = list(model["original"])
             lines += [f"{key.split(':')[0]}, {study['blocks']} blocks, calibration {model['calibration'].get('source')} "
@@ -762,6 +770,30 @@ def render_selection(parts: list[dict]) -> str:
     return "\n".join(lines).rstrip()
 
 
+def _render_scoring_comparison(key: str, model: dict, measured: dict) -> list[str]:
+    study = model["compare"]
+    lines = [f"{key.split(':')[0]}, {study['blocks']} blocks: `span_scoring: compare` (mean next-token loss on "
+             "the held-out eighth of the calibration sequences, each span's map fitted without them; "
+             "perplexity of each span from the table above)", "",
+             "| estimator | criterion | lstsq's span: loss | own map's span: loss | kept | "
+             "held-out WikiText-2 of the kept span / of the other |", "|---|---|---|---|---|---|"]
+    for row in study["rows"]:
+        comparison = row["comparison"]
+        if comparison is None:
+            span = f"{row['start']}-{row['start'] + study['blocks'] - 1}"
+            lines.append(f"| {row['estimator']} | {row['criterion']} | {span} | {span} | the same span, nothing built | - |")
+            continue
+        (_, lstsq), (_, own) = comparison["candidates"].items()
+        kept, other = (lstsq, own) if comparison["chosen"] == "the lstsq map" else (own, lstsq)
+        held_out = [measured.get((key, row["estimator"], entry["removed_blocks"][0])) for entry in (kept, other)]
+        ratio = ("-" if None in held_out else
+                 " / ".join(f"{next(v for t, v in p.items() if 'held out' in t and 'WikiText' in t):.2f}"
+                            for p in held_out))
+        lines.append(f"| {row['estimator']} | {row['criterion']} | {lstsq['spans'][0]}: {lstsq['mean_nll']:.4f} | "
+                     f"{own['spans'][0]}: {own['mean_nll']:.4f} | {'lstsq' if kept is lstsq else 'own'} | {ratio} |")
+    return [*lines, ""]
+
+
 #: section name → (results file or files, renderer); a section renders only where BENCHMARKS.md has its markers
 SECTIONS: dict[str, tuple[str | tuple[str, ...], Callable]] = {
     "scale": ("scale.json", render_scale),
@@ -776,7 +808,8 @@ SECTIONS: dict[str, tuple[str | tuple[str, ...], Callable]] = {
                     render_new_methods),
     "span-count": (("spans_auto_in_sample_12.json", "spans_auto_12.json", "spans_auto_8.json", "spans_auto_4.json",
                     "spans_auto_gemma_4.json", "spans_auto_12_v10.json"), render_span_count_search),
-    "selection": (("selection_smollm2_c4.json",), render_selection),
+    "selection": (("selection_smollm2_c4.json", "selection_gemma_c4.json", "selection_compare_c4.json"),
+                  render_selection),
     "accuracy": (("new_methods_accuracy.json", "new_methods_accuracy_part2.json", "new_methods_accuracy_part3.json",
                   "new_methods_accuracy_part4.json", "new_methods_accuracy_part5.json",
                   "new_methods_accuracy_part6.json", "new_methods_accuracy_part7.json", "new_methods_accuracy_4.json",

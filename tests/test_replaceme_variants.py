@@ -388,6 +388,47 @@ def test_version_6_recipes_keep_scoring_spans_with_the_folded_map():
     assert Recipe.parse({"blocks": 3, "estimator": "diagonal"}).settings.span_scoring == "lstsq"
 
 
+@pytest.mark.parametrize("blocks", [1, 2])
+def test_span_scoring_compare_builds_both_spans_and_keeps_the_lower_held_out_loss(tokenizer, blocks):
+    """Where the lstsq map and the folded (diagonal) map score different spans best, both are built
+    without the held-out calibration sequences and the one with the lower loss on them is compressed
+    in place, on every sequence: the model ``span_start`` at its start builds. (On this seed the
+    diagonal map's span wins at one block and lstsq's at two, so both outcomes run.)"""
+    calibration = random_calibration(num_sequences=16)
+    model = tiny_model("llama")
+    settings = {"blocks": blocks, "estimator": "diagonal", "criterion": "fit_error"}
+    result = blockfold.compress(model, tokenizer, {**settings, "span_scoring": "compare"}, calibration=calibration)
+    selection = result.manifest["selection"]
+    comparison = selection["span_scoring_comparison"]
+    losses = {name: entry["mean_nll"] for name, entry in comparison["candidates"].items()}
+    assert list(losses) == ["the lstsq map", "the diagonal map"]
+    spans = [entry["removed_blocks"] for entry in comparison["candidates"].values()]
+    assert spans[0] != spans[1]
+    assert comparison["chosen"] == min(losses, key=losses.get)
+    assert result.manifest["removed_blocks"] == comparison["candidates"][comparison["chosen"]]["removed_blocks"]
+    assert selection["scored_with"].startswith("the lstsq map and the diagonal map")
+    own = blockfold.compress(tiny_model("llama"), tokenizer, {**settings, "span_scoring": "estimator"},
+                             calibration=calibration).manifest["removed_blocks"]
+    assert spans[1] == own
+    fixed = tiny_model("llama")
+    blockfold.compress(fixed, tokenizer, {**settings, "span_start": result.manifest["removed_blocks"][0]},
+                       calibration=calibration)
+    for (name, value), (_, expected) in zip(model.state_dict().items(), fixed.state_dict().items()):
+        assert torch.equal(value, expected), name
+
+
+def test_span_scoring_compare_builds_nothing_where_the_scorings_agree_and_refuses_several_spans(tokenizer):
+    calibration = random_calibration(num_sequences=16)
+    plain = blockfold.compress(tiny_model("llama"), tokenizer, {"blocks": 2}, calibration=calibration).manifest
+    compared = blockfold.compress(tiny_model("llama"), tokenizer, {"blocks": 2, "span_scoring": "compare"},
+                                  calibration=calibration).manifest
+    assert "span_scoring_comparison" not in compared["selection"]
+    assert compared["removed_blocks"] == plain["removed_blocks"]
+    for conflicting in ({"spans": 2}, {"spans": "auto"}, {"greedy": True, "refit": "none"}):
+        with pytest.raises(BlockfoldError, match="span_scoring compare"):
+            Recipe.parse({"blocks": 2, "span_scoring": "compare", **conflicting})
+
+
 def test_spans_auto_keeps_the_count_with_the_lowest_held_out_loss_and_builds_it_in_place(tokenizer):
     """Every count's model is built on a copy without the held-out calibration sequences and scored by
     its next-token loss on them; the count with the lowest loss is the one compressed in place, on all

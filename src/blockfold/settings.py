@@ -149,8 +149,11 @@ class ReplaceMe(SpanSelection):
     # their own maps with fit_error_stream, diagonal picked blocks 1-8 of SmolLM2-135M (331.6) and plain
     # removal 11-18 (384.5), where lstsq's span 12-19 gives them 123.2 and 124.1; lstsq scoring picked the
     # same span or a better one for every estimator and both fit criteria, on the chosen and held-out
-    # texts (BENCHMARKS.md "Selection across estimators")
-    span_scoring: Literal["lstsq", "estimator"] = "lstsq"
+    # texts (BENCHMARKS.md "Selection across estimators"). On Gemma-3-270m at 4 of 18 blocks lstsq's span
+    # (5-8) gave the diagonal map perplexity 10590 where its own span (8-11) gives 403, so neither holds for
+    # every model: compare builds both spans where they differ (fitted without an eighth of the
+    # calibration sequences) and keeps the lower loss on those sequences
+    span_scoring: Literal["lstsq", "estimator", "compare"] = "lstsq"
     rank: int | None = Field(None, ge=1)  # lowrank: rank of the correction to the identity (default 32)
     ridge_alpha: float = Field(0.0, ge=0)  # L2 penalty per calibration token (as NBL's; version 2: in total)
     # blocks with a norm after the MLP (Gemma): which foldable form of the map (docs/gemma.md); auto
@@ -221,6 +224,10 @@ class ReplaceMe(SpanSelection):
             raise ValueError(f"rank (--rank) applies to the lowrank estimator only, not {self.estimator!r}")
         if self.greedy and (self.spans != 1 or self.span_start is not None):
             raise ValueError("greedy (--greedy) cannot be combined with spans or span_start: choose one selection")
+        if self.span_scoring == "compare" and (self.greedy or self.spans != 1):
+            raise ValueError("span_scoring compare (--span-scoring compare) builds the single span each scoring "
+                             "picks, so it cannot pick several spans or greedy rounds: use --span-scoring lstsq "
+                             "or estimator with --spans / --greedy, or drop them")
         if self.sandwich_fold != "auto" and self.estimator == "identity":
             raise ValueError("sandwich_fold chooses how a map is folded, and the identity estimator folds none: "
                              "drop --sandwich-fold or choose another estimator")

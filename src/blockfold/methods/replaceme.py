@@ -17,7 +17,8 @@ Several spans (``spans=k``) share the budget and are chosen together from the fi
 then replaced shallowest first, each later span's map refitted on the model as already compressed
 (one truncated pass each). ``spans="auto"`` builds the model of each span count on a copy, fitted
 without an eighth of the calibration sequences, and keeps the count with the lowest loss on those. ``greedy`` removes one block per round, the one the criterion scores best
-after its own fix, with one pass per round.
+after its own fix, with one pass per round. ``span_scoring="compare"`` builds, the same way, the span
+the lstsq map scores best and the one the folded map does, where they differ, and keeps the lower loss.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -81,13 +83,23 @@ def closed_form_map(settings: ReplaceMe, equations: NormalEquations, warn: bool 
 
 def _scoring_map(settings: ReplaceMe):
     """How each candidate is scored by the fit criteria: with the least-squares map whatever is folded
-    (``span_scoring: lstsq``), or with the map that would be folded (``estimator``; None: plain removal,
-    scored from the identity's scalar sums)."""
-    if settings.span_scoring == "lstsq":
+    (``span_scoring: lstsq``, and first with ``compare``), or with the map that would be folded
+    (``estimator``)."""
+    if settings.span_scoring in ("lstsq", "compare"):
         return lambda equations: fit_span_map(equations, "lstsq", settings.ridge_alpha, warn=False)[0]
+    return _own_map(settings)
+
+
+def _own_map(settings: ReplaceMe):
+    """The map the estimator folds, as a scoring map (None: plain removal, scored from the identity's
+    scalar sums)."""
     if settings.estimator == "identity":
         return None
     return lambda equations: closed_form_map(settings, equations, warn=False)[0]
+
+
+def _own_map_name(settings: ReplaceMe) -> str:
+    return "the identity (plain removal)" if settings.estimator == "identity" else f"the {settings.estimator} map"
 
 
 # -- the first pass ---------------------------------------------------------------------------
@@ -344,6 +356,15 @@ def compress_replaceme(job: Job) -> dict:
     search = _compare_span_counts(job, shapes) if len(counts) > 1 else None
     count = search["chosen"] if search is not None else counts[0]
     choices = shapes[count]
+    scoring_comparison = None
+    if settings.span_scoring == "compare" and criterion in _FIT_CRITERIA and settings.span_start is None:
+        own_scores = span_criteria(measured.distances, measured.tables, measured.moments, _own_map(settings))
+        own_choice = best_span(own_scores[criterion], budget, criterion)
+        if own_choice.start != choices[0].start:
+            scoring_comparison = _compare_span_scorings(
+                job, {"the lstsq map": choices[0], _own_map_name(settings): own_choice})
+            if scoring_comparison["chosen"] != "the lstsq map":
+                choices, scores = [own_choice], own_scores
     replaced, refitted = _replace_spans(job, choices, first_pass)
     selection = {
         "criterion": criterion,
@@ -367,6 +388,8 @@ def compress_replaceme(job: Job) -> dict:
         selection["screening_scores"] = {str(length): values for length, values in measured.screening.items()}
     if search is not None:
         selection["span_count_search"] = search
+    if scoring_comparison is not None:
+        selection["span_scoring_comparison"] = scoring_comparison
     if len(counts) > 1 or count > 1:
         selection["scores_per_length"] = {str(length): {name: by_start(values, length) for name, values in scores.items()}
                                           for length in lengths}
@@ -405,13 +428,29 @@ def _replace_spans(job: Job, choices: list[SpanChoice], first_pass: dict) -> tup
 
 
 def _compare_span_counts(job: Job, shapes: dict[int, list[SpanChoice]]) -> dict:
-    """``spans="auto"``: for each count, fit its spans' maps and refit on a copy of the model without
-    the held-out calibration sequences, measure the copy's next-token loss on those, and choose the
-    count with the lowest (a count whose spans touch is a smaller count's model, built once). The
-    spans' own scores cannot compare counts (settings.ReplaceMe.spans), and the loss on the fitting
-    tokens cannot either: every span brings a d x d map fitted to them, and at 12 of 30 blocks of
-    SmolLM2-135M that in-sample loss preferred three spans to two, which held-out text ranks the
-    other way (BENCHMARKS.md, "How many spans")."""
+    """``spans="auto"``: the count whose spans' model has the lowest held-out calibration loss
+    (``_compare_builds``; the fewest spans on a tie). The spans' own scores cannot compare counts
+    (settings.ReplaceMe.spans), and the loss on the fitting tokens cannot either: every span brings a
+    d x d map fitted to them, and at 12 of 30 blocks of SmolLM2-135M that in-sample loss preferred
+    three spans to two, which held-out text ranks the other way (BENCHMARKS.md, "How many spans")."""
+    return _compare_builds(job, shapes, lambda count: f"{count} span(s)")
+
+
+def _compare_span_scorings(job: Job, shapes: dict[str, SpanChoice]) -> dict:
+    """``span_scoring="compare"``: the span the lstsq map scores best against the one the folded map
+    does, kept by held-out calibration loss (``_compare_builds``; lstsq's on a tie). Neither scoring
+    holds for every estimator and model: at 8 of 30 blocks of SmolLM2-135M, under ``fit_error_stream``,
+    the diagonal map's own scores picked a span 2.7 times worse than lstsq's, and at 4 of 18 blocks of
+    Gemma-3-270m, under ``fit_error``, lstsq's scores picked one 20 times worse for it than its own
+    (BENCHMARKS.md "Selection across estimators")."""
+    return _compare_builds(job, {name: [choice] for name, choice in shapes.items()}, lambda name: f"span scored by {name}")
+
+
+def _compare_builds(job: Job, shapes: dict, describe: Callable[[object], str]) -> dict:
+    """For each candidate (its spans), fit the maps and refit on a copy of the model without the
+    held-out calibration sequences, measure the copy's next-token loss on those, and choose the
+    candidate with the lowest, the first given on a tie (candidates that remove the same blocks are
+    one model, built once)."""
     from blockfold.eval.perplexity import summed_nll
     from blockfold.pipelines import Runner
 
@@ -420,20 +459,21 @@ def _compare_span_counts(job: Job, shapes: dict[int, list[SpanChoice]]) -> dict:
     execution = job.runner.execution.model_copy(update={"resume_dir": None, "stats_cache": None})
     built: dict[tuple[int, ...], dict] = {}
     candidates = {}
-    for count, choices in shapes.items():
+    for key, choices in shapes.items():
         blocks = tuple(b for c in choices for b in c.blocks)
         if blocks not in built:
             twin = job.handle.fresh_copy()
             twin_job = Job(twin, job.settings, fitting, Runner(twin, execution), None, job.seed)
             _replace_spans(twin_job, choices, {})
-            total, tokens = summed_nll(twin, held_out, f"held-out loss, {count} span(s)")
+            total, tokens = summed_nll(twin, held_out, f"held-out loss, {describe(key)}")
             built[blocks] = {"mean_nll": total / tokens, "passes": twin_job.runner.passes + 1}
             del twin, twin_job
-        candidates[count] = {"removed_blocks": list(blocks), "spans": [span_label(c.blocks) for c in choices],
-                             **built[blocks]}
-        logger.info("spans=auto: %d span(s) %s: held-out calibration loss %.4f", count, candidates[count]["spans"],
-                    candidates[count]["mean_nll"])
-    chosen = min(candidates, key=lambda count: (candidates[count]["mean_nll"], count))  # the fewest spans on a tie
+        candidates[key] = {"removed_blocks": list(blocks), "spans": [span_label(c.blocks) for c in choices],
+                           **built[blocks]}
+        logger.info("%s %s: held-out calibration loss %.4f", describe(key), candidates[key]["spans"],
+                    candidates[key]["mean_nll"])
+    order = list(candidates)
+    chosen = min(candidates, key=lambda key: (candidates[key]["mean_nll"], order.index(key)))
     return {"measure": "mean next-token loss on held-out calibration sequences, the maps fitted without them",
             "held_out_sequences": sum(len(batch) for batch in held_out),
             "held_out_tokens": sum(batch.num_tokens for batch in held_out),
@@ -496,7 +536,9 @@ def _scored_with(settings: ReplaceMe) -> str:
     """What the fit criteria scored each candidate with (the other criteria read the stream alone)."""
     if settings.span_scoring == "lstsq":
         return "the lstsq map"
-    return "the identity (plain removal)" if settings.estimator == "identity" else f"the {settings.estimator} map"
+    if settings.span_scoring == "compare":
+        return f"the lstsq map and {_own_map_name(settings)}, kept by held-out calibration loss where they differ"
+    return _own_map_name(settings)
 
 
 def _table(values) -> dict[str, dict[str, float]]:
