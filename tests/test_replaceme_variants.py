@@ -363,8 +363,8 @@ def test_a_numerical_fit_that_turns_non_finite_returns_the_best_finite_map():
 
 @pytest.mark.parametrize("estimator", ["diagonal", "orthogonal", "identity"])
 def test_spans_are_scored_with_the_lstsq_map_whatever_the_estimator_folds(tokenizer, estimator):
-    """Recipe version 7: every estimator's candidates get the lstsq map's fit errors (the scores the
-    lstsq estimator sees); ``span_scoring: estimator`` (version 6) scores with the folded map."""
+    """``span_scoring: lstsq`` (recipe versions 7-11): every estimator's candidates get the lstsq map's
+    fit errors (the scores the lstsq estimator sees); ``estimator`` (version 6) scores with the folded map."""
     calibration = random_calibration()
 
     def candidates(**settings):
@@ -373,7 +373,7 @@ def test_spans_are_scored_with_the_lstsq_map_whatever_the_estimator_folds(tokeni
         return result.manifest["selection"]
 
     reference = candidates(estimator="lstsq")["candidates"]
-    scored = candidates(estimator=estimator)
+    scored = candidates(estimator=estimator, span_scoring="lstsq")
     assert scored["scored_with"] == "the lstsq map"
     assert scored["candidates"] == pytest.approx(reference, rel=1e-9)
     own = candidates(estimator=estimator, span_scoring="estimator")
@@ -381,11 +381,15 @@ def test_spans_are_scored_with_the_lstsq_map_whatever_the_estimator_folds(tokeni
     assert own["candidates"] != pytest.approx(reference, rel=1e-3)
 
 
-def test_version_6_recipes_keep_scoring_spans_with_the_folded_map():
+def test_old_recipes_keep_their_span_scoring_and_version_12_compares_one_span():
     migrated = Recipe.parse({"recipe_version": 6, "settings": {"blocks": 3, "estimator": "diagonal"}})
     assert migrated.settings.span_scoring == "estimator"
     assert Recipe.parse({"recipe_version": 6, "method": "uidl", "settings": {"blocks": 3}}).settings.span_scoring == "estimator"
-    assert Recipe.parse({"blocks": 3, "estimator": "diagonal"}).settings.span_scoring == "lstsq"
+    assert Recipe.parse({"recipe_version": 11, "settings": {"blocks": 3, "estimator": "diagonal"}}).settings.span_scoring == "lstsq"
+    # version 12: one span compares both scorings; several spans and greedy score with lstsq
+    assert Recipe.parse({"blocks": 3, "estimator": "diagonal"}).settings.span_scoring == "compare"
+    assert Recipe.parse({"blocks": 3, "spans": 2}).settings.span_scoring == "lstsq"
+    assert Recipe.parse({"blocks": 3, "greedy": True}).settings.span_scoring == "lstsq"
 
 
 @pytest.mark.parametrize("blocks", [1, 2])

@@ -136,9 +136,10 @@ def _add_compress(sub) -> None:
                    help="the span's map: lstsq (default), diagonal, orthogonal, lowrank (--rank), cosine (numerical), "
                         "identity (plain removal)")
     p.add_argument("--span-scoring", choices=_choices("span_scoring"),
-                   help="replaceme: score candidate spans with the lstsq map whatever is folded (default), with the "
-                        "estimator's own map (recipe version 6 and older), or compare: build both spans where they "
-                        "differ and keep the one with the lower held-out calibration loss")
+                   help="replaceme: compare (the default for one span): where the lstsq map and the folded map score "
+                        "different spans best, build both and keep the lower held-out calibration loss; lstsq: the "
+                        "lstsq map's scores whatever is folded (recipe versions 7-11, and with several spans); "
+                        "estimator: the folded map's own (versions up to 6)")
     p.add_argument("--rank", type=int, help="lowrank: rank of the correction to the identity (default 32)")
     p.add_argument("--span-start", type=int, help="remove the span starting at this block instead of selecting one")
     p.add_argument("--spans", type=_span_count,

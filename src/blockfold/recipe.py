@@ -5,7 +5,9 @@ and the calibration data. It is saved next to every output with every default re
 can be repeated, and a report rebuilt, from the output folder alone. (Where and in what precision
 a job runs is not the recipe's business: see ``runtime.Execution``.)
 
-Version 11 (this one): with ``refit: all``, ReplaceMe's refit also corrects the input projections of
+Version 12 (this one): ReplaceMe's single span is chosen by ``span_scoring: compare`` (where the lstsq
+map and the folded map score different spans best, both are built and the lower held-out calibration
+loss kept); a version 11 or older recipe scores with the lstsq map alone. Version 11: with ``refit: all``, ReplaceMe's refit also corrects the input projections of
 sandwich blocks (Gemma's) after each span (``refit_sandwich: true``); a version 10 recipe leaves them.
 Version 10: ReplaceMe's refit also corrects, in the blocks after each span, the projections
 that read each sublayer's normed input, over three blocks per span (``refit: all``,
@@ -39,7 +41,7 @@ from blockfold.errors import BlockfoldError
 from blockfold.schema import Strict
 from blockfold.settings import SETTINGS, MethodSettings
 
-RECIPE_VERSION = 11
+RECIPE_VERSION = 12
 
 
 class CalibrationConfig(Strict):
@@ -117,7 +119,7 @@ class Recipe(Strict):
     a flat field the method does not have is an error naming the method's own settings.
     """
 
-    recipe_version: Literal[11] = RECIPE_VERSION
+    recipe_version: Literal[12] = RECIPE_VERSION
     method: str = "replaceme"
     settings: SerializeAsAny[MethodSettings]
     calibration: CalibrationConfig = Field(default_factory=CalibrationConfig)
@@ -267,7 +269,13 @@ def _migrate_v9(data: dict) -> dict:
 def _migrate_v10(data: dict) -> dict:
     """A version 10 recipe as version 11: ReplaceMe's refit left sandwich blocks as they were; version 11
     corrects their input projections (with ``refit: all``)."""
-    return _keep_old_default(data, ("replaceme",), "refit_sandwich", False, RECIPE_VERSION)
+    return _keep_old_default(data, ("replaceme",), "refit_sandwich", False, 11)
+
+
+def _migrate_v11(data: dict) -> dict:
+    """A version 11 recipe as version 12: ReplaceMe scored candidate spans with the lstsq map alone;
+    version 12 compares that span with the folded map's where they differ."""
+    return _keep_old_default(data, ("replaceme",), "span_scoring", "lstsq", RECIPE_VERSION)
 
 
 def _keep_old_default(data: dict, methods: tuple[str, ...], field: str, value, version: int) -> dict:
@@ -281,7 +289,8 @@ def _keep_old_default(data: dict, methods: tuple[str, ...], field: str, value, v
 
 #: recipe version -> the migration that brings it one version up
 _MIGRATIONS = {1: _migrate_v1, 2: _migrate_v2, 3: _migrate_v3, 4: _migrate_v4, 5: _migrate_v5, 6: _migrate_v6,
-               7: _migrate_v7, 8: _migrate_v8, 9: _migrate_v9, 10: _migrate_v10}
+               7: _migrate_v7, 8: _migrate_v8, 9: _migrate_v9, 10: _migrate_v10,
+               11: _migrate_v11}
 
 
 def _healing_data() -> CalibrationConfig:

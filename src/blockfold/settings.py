@@ -151,9 +151,11 @@ class ReplaceMe(SpanSelection):
     # same span or a better one for every estimator and both fit criteria, on the chosen and held-out
     # texts (BENCHMARKS.md "Selection across estimators"). On Gemma-3-270m at 4 of 18 blocks lstsq's span
     # (5-8) gave the diagonal map perplexity 10590 where its own span (8-11) gives 403, so neither holds for
-    # every model: compare builds both spans where they differ (fitted without an eighth of the
-    # calibration sequences) and keeps the lower loss on those sequences
-    span_scoring: Literal["lstsq", "estimator", "compare"] = "lstsq"
+    # every model: compare (recipe version 12's default for one span) builds both spans where they differ,
+    # fitted without an eighth of the calibration sequences, and keeps the lower loss on those sequences;
+    # it kept the better span in every disagreement on both models. The lstsq estimator's own map is
+    # lstsq's, so its selection is unchanged and costs nothing more. Several spans and greedy: lstsq
+    span_scoring: Literal["lstsq", "estimator", "compare"] | None = None
     rank: int | None = Field(None, ge=1)  # lowrank: rank of the correction to the identity (default 32)
     ridge_alpha: float = Field(0.0, ge=0)  # L2 penalty per calibration token (as NBL's; version 2: in total)
     # blocks with a norm after the MLP (Gemma): which foldable form of the map (docs/gemma.md); auto
@@ -224,6 +226,8 @@ class ReplaceMe(SpanSelection):
             raise ValueError(f"rank (--rank) applies to the lowrank estimator only, not {self.estimator!r}")
         if self.greedy and (self.spans != 1 or self.span_start is not None):
             raise ValueError("greedy (--greedy) cannot be combined with spans or span_start: choose one selection")
+        if self.span_scoring is None:
+            self.span_scoring = "compare" if self.spans == 1 and not self.greedy else "lstsq"
         if self.span_scoring == "compare" and (self.greedy or self.spans != 1):
             raise ValueError("span_scoring compare (--span-scoring compare) builds the single span each scoring "
                              "picks, so it cannot pick several spans or greedy rounds: use --span-scoring lstsq "
