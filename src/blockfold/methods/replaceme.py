@@ -357,7 +357,9 @@ def compress_replaceme(job: Job) -> dict:
     count = search["chosen"] if search is not None else counts[0]
     choices = shapes[count]
     scoring_comparison = None
-    if settings.span_scoring == "compare" and criterion in _FIT_CRITERIA and settings.span_start is None:
+    # the lstsq and cosine estimators score with the lstsq map itself: nothing to compare, no second scoring
+    if (settings.span_scoring == "compare" and criterion in _FIT_CRITERIA and settings.span_start is None
+            and settings.estimator not in ("lstsq", "cosine")):
         own_scores = span_criteria(measured.distances, measured.tables, measured.moments, _own_map(settings))
         own_choice = best_span(own_scores[criterion], budget, criterion)
         if own_choice.start != choices[0].start:
@@ -472,8 +474,7 @@ def _compare_builds(job: Job, shapes: dict, describe: Callable[[object], str]) -
                            **built[blocks]}
         logger.info("%s %s: held-out calibration loss %.4f", describe(key), candidates[key]["spans"],
                     candidates[key]["mean_nll"])
-    order = list(candidates)
-    chosen = min(candidates, key=lambda key: (candidates[key]["mean_nll"], order.index(key)))
+    chosen = min(candidates, key=lambda key: candidates[key]["mean_nll"])  # min keeps the first on a tie
     return {"measure": "mean next-token loss on held-out calibration sequences, the maps fitted without them",
             "held_out_sequences": sum(len(batch) for batch in held_out),
             "held_out_tokens": sum(batch.num_tokens for batch in held_out),
