@@ -334,14 +334,18 @@ def _add_export(sub) -> None:
 def _recipe_from_args(args):
     """The recipe file (if any) with the flags given on top; a flag the method does not use is an
     error naming the method's own flags, never silently ignored."""
-    from blockfold.recipe import Recipe
+    from blockfold.recipe import Recipe, read_recipe_file
     from blockfold.settings import SETTINGS
 
-    data = Recipe.from_yaml(args.recipe).model_dump(mode="json", exclude_unset=True) if args.recipe else {}
+    data = read_recipe_file(args.recipe) if args.recipe else {}
     method = args.method or data.get("method", "replaceme")
     if method not in SETTINGS:
         raise BlockfoldError(f"unknown method {method!r}; choose one of {', '.join(sorted(SETTINGS))}")
-    settings = dict(data.get("settings") or {}) if data.get("method", method) == method else {}
+    # the file's settings are given values like flags: they carry over to another --method, and one
+    # that method lacks is refused below as the same flag would be
+    flat = {key: value for key, value in data.items() if key not in Recipe.model_fields}  # a flat file's settings
+    settings = {key: dict(value) if isinstance(value, dict) else value
+                for key, value in {**(data.get("settings") or {}), **flat}.items()}
     fields = SETTINGS[method].model_fields
     given = {flag: getattr(args, flag) for flag in SETTINGS_FLAGS if getattr(args, flag, None) is not None}
     refused = [flag for flag in given if SETTINGS_FLAGS[flag].split(".")[0] not in fields]
@@ -361,7 +365,9 @@ def _recipe_from_args(args):
     calibration = dict(data.get("calibration") or {})
     calibration.update({field: getattr(args, flag) for flag, field in CALIBRATION_FLAGS.items()
                         if getattr(args, flag, None) is not None})
-    return Recipe.parse({"method": method, "settings": settings, "calibration": calibration}, origin="recipe")
+    origin = f"recipe ({args.recipe} with the flags given)" if args.recipe else "recipe"
+    return Recipe.parse({**({"recipe_version": data["recipe_version"]} if "recipe_version" in data else {}),
+                         "method": method, "settings": settings, "calibration": calibration}, origin=origin)
 
 
 def _print_table(rows: list[tuple[str, str]], title: str) -> None:

@@ -151,6 +151,8 @@ def _layout(tree):
 
 
 def _reduce_sums(sums: dict) -> dict:
+    """Tensors and arrays reduced in place, numbers packed into one reduction; ``None`` (a sum no
+    token has reached yet, the same on every rank: ``_layout`` checked) stays ``None``."""
     numbers: list[float] = []
     map_leaves(sums, lambda leaf: numbers.append(float(leaf)) if isinstance(leaf, (int, float)) else None)
     packed = torch.tensor(numbers, dtype=torch.float64)
@@ -165,6 +167,8 @@ def _reduce_sums(sums: dict) -> dict:
             tensor = torch.from_numpy(np.ascontiguousarray(leaf))
             _reduce_in_place(tensor)
             return tensor.numpy()
+        if leaf is None:
+            return None
         value = next(values)
         return int(round(value)) if isinstance(leaf, int) else value
 

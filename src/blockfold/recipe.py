@@ -129,10 +129,7 @@ class Recipe(Strict):
     def _route_settings(cls, data):
         if not isinstance(data, dict):
             return data
-        data = dict(data)
-        for version, migrate in _MIGRATIONS.items():  # each one step up, in order
-            if data.get("recipe_version") == version:
-                data = migrate(data)
+        data = migrate(data)
         method = data.get("method", "replaceme")
         if method not in SETTINGS:
             raise ValueError(f"unknown method {method!r}; choose one of {', '.join(sorted(SETTINGS))}")
@@ -162,16 +159,34 @@ class Recipe(Strict):
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "Recipe":
-        path = Path(path)
-        if not path.is_file():
-            raise BlockfoldError(f"recipe file {path} not found: pass an existing YAML file to --recipe")
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as err:
-            raise BlockfoldError(f"recipe file {path} is not valid YAML ({str(err).splitlines()[0]})") from None
-        if not isinstance(data, dict):
-            raise BlockfoldError(f"recipe file {path} must hold a mapping (method:, settings:, calibration:)")
-        return cls.parse(data, origin=str(path))
+        return cls.parse(read_recipe_file(path), origin=str(path))
+
+
+def read_recipe_file(path: str | Path) -> dict:
+    """A recipe file's values, brought to this version but not yet validated: the CLI puts its flags
+    on top of them and validates once, so a file plus flags is the same recipe as the values alone."""
+    path = Path(path)
+    if not path.is_file():
+        raise BlockfoldError(f"recipe file {path} not found: pass an existing YAML file to --recipe")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise BlockfoldError(f"recipe file {path} is not valid YAML ({str(err).splitlines()[0]})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("settings", {}) or {}, dict):
+        raise BlockfoldError(f"recipe file {path} must hold a mapping (method:, settings:, calibration:)")
+    try:
+        return migrate(data)
+    except (ValueError, TypeError, AttributeError) as err:
+        raise BlockfoldError(f"recipe file {path} cannot be read as a recipe ({err})") from None
+
+
+def migrate(data: dict) -> dict:
+    """An older recipe's values as this version's, each migration one version up, in order."""
+    data = dict(data)
+    for version, step in _MIGRATIONS.items():
+        if data.get("recipe_version") == version:
+            data = step(data)
+    return data
 
 
 #: version 1's flat method fields (it wrote every one, whether the method used it or not)
@@ -312,5 +327,5 @@ class HealConfig(Strict):
     @model_validator(mode="after")
     def _default_learning_rate(self) -> "HealConfig":
         if self.learning_rate is None:
-            self.learning_rate = 1e-4 if self.mode == "lt" else 5e-4
+            self._resolve("learning_rate", 1e-4 if self.mode == "lt" else 5e-4)
         return self

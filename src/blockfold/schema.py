@@ -11,6 +11,12 @@ from blockfold.errors import BlockfoldError
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
+    def _resolve(self, name: str, value) -> None:
+        """Fill field ``name`` with the default it resolves to, without counting it as given:
+        ``model_fields_set`` (and so ``model_dump(exclude_unset=True)``) keeps naming only what the
+        user set, so settings merged from a file and flags are resolved again, from scratch."""
+        object.__setattr__(self, name, value)
+
     @classmethod
     def parse(cls, data, origin: str = "recipe"):
         """Validate a plain dict, turning pydantic's report into one readable line."""

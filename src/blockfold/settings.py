@@ -63,7 +63,7 @@ class BlockBudget(MethodSettings):
         if self.blocks is not None and self.ratio is not None:
             raise ValueError("give either blocks (--blocks) or ratio (--ratio), not both")
         if self.blocks is None and self.ratio is None:
-            self.blocks = 8
+            self._resolve("blocks", 8)
         return self
 
     def num_blocks(self, num_layers: int) -> int:
@@ -88,7 +88,7 @@ class AttentionBudget(MethodSettings):
         if self.attention_layers is not None and self.ratio is not None:
             raise ValueError("give either attention_layers (--attn) or ratio (--ratio), not both")
         if self.attention_layers is None and self.ratio is None:
-            self.attention_layers = 8
+            self._resolve("attention_layers", 8)
         return self
 
     def num_attention_layers(self, num_layers: int) -> int:
@@ -201,35 +201,35 @@ class ReplaceMe(SpanSelection):
     @model_validator(mode="after")
     def _consistent(self):
         if self.refit is None:  # a refit needs the spans before the surgery, and plain removal stays plain
-            self.refit = "all" if self.estimator == "lstsq" and not self.greedy else "none"
+            self._resolve("refit", "all" if self.estimator == "lstsq" and not self.greedy else "none")
         if self.refit == "none":
             defaults = type(self).model_fields
             if (self.refit_blocks is not None or self.refit_ridge != defaults["refit_ridge"].default
                     or self.refit_weighting != defaults["refit_weighting"].default or self.refit_scale):
                 raise ValueError("refit_blocks, refit_ridge, refit_weighting and refit_scale apply to a refit: add "
                                  "--refit all (the default) or --refit down, or drop them")
-            self.refit_scale = False
+            self._resolve("refit_scale", False)
         if self.refit != "all" and self.refit_sandwich:
             raise ValueError("refit_sandwich (--refit-sandwich) corrects input projections, which only --refit all "
                              "refits: use --refit all or drop it")
         if self.refit_sandwich is None:
-            self.refit_sandwich = self.refit == "all"
+            self._resolve("refit_sandwich", self.refit == "all")
         if self.refit != "none":
             if self.refit_blocks is None:
-                self.refit_blocks = 3 if self.refit == "all" else 2
+                self._resolve("refit_blocks", 3 if self.refit == "all" else 2)
             if self.refit_scale is None:
-                self.refit_scale = True
+                self._resolve("refit_scale", True)
         if self.refit != "none" and self.greedy:
             raise ValueError("refit (--refit) cannot follow greedy removal yet: the original streams are recorded "
                              "before the surgery, and greedy decides the blocks one removal at a time; drop one of them")
         if self.estimator == "lowrank" and self.rank is None:
-            self.rank = 32
+            self._resolve("rank", 32)
         if self.rank is not None and self.estimator != "lowrank":
             raise ValueError(f"rank (--rank) applies to the lowrank estimator only, not {self.estimator!r}")
         if self.greedy and (self.spans != 1 or self.span_start is not None):
             raise ValueError("greedy (--greedy) cannot be combined with spans or span_start: choose one selection")
         if self.span_scoring is None:
-            self.span_scoring = "compare" if self.spans == 1 and not self.greedy else "lstsq"
+            self._resolve("span_scoring", "compare" if self.spans == 1 and not self.greedy else "lstsq")
         if self.span_scoring == "compare" and (self.greedy or self.spans != 1):
             raise ValueError("span_scoring compare (--span-scoring compare) builds the single span each scoring "
                              "picks, so it cannot pick several spans or greedy rounds: use --span-scoring lstsq "
