@@ -4,6 +4,7 @@
     .venv/bin/python bench/scale.py small       # SmolLM2-135M, 64 x 512 tokens: peak RSS and time, both pipelines
     .venv/bin/python bench/scale.py tinyllama   # random TinyLlama-width, 32 blocks, float32 (~6 GB): RSS vs weights
     .venv/bin/python bench/scale.py big         # random Llama-2-7B-width, 64 blocks, bfloat16 (~27 GB, more than the RAM)
+    .venv/bin/python bench/scale.py keying      # the same checkpoint: the cost of its content fingerprint
 
 Random-weight models of real shapes (bench/random_model.py) stand in for the big ones; they are
 built once under ``--work`` (default /tmp/blockfold-scale). Every compress runs ``blockfold compress``
@@ -167,9 +168,43 @@ def big(args) -> dict:
     return run
 
 
+def keying(args) -> dict:
+    """The fingerprint that keys the statistics cache and resume folders of a streamed model hashes
+    every shard's bytes once (models/digests.py): its cost on the 25 GiB checkpoint of ``big``, cold
+    (an empty digest index) and warm (the index read), against reading the same bytes alone."""
+    import blockfold
+    from blockfold.models import digests
+    from blockfold.runtime import Execution
+
+    folder = random_model(args.work, "llama2-7b-width", 64, "bfloat16")
+    files = sorted(folder.glob("*.safetensors"))
+    size = sum(path.stat().st_size for path in files)
+    started = time.perf_counter()
+    for path in files:  # the bytes alone, as the hashing reads them
+        with open(path, "rb", buffering=0) as handle:
+            buffer = bytearray(16 << 20)
+            while handle.readinto(buffer):
+                pass
+    read_seconds = time.perf_counter() - started
+    with tempfile.TemporaryDirectory(dir=args.work) as cache:
+        os.environ["BLOCKFOLD_CACHE"] = cache
+        handle = blockfold.open_model(str(folder), Execution(pipeline="sequential"))
+        started = time.perf_counter()
+        handle.fingerprint()
+        cold = time.perf_counter() - started
+        started = time.perf_counter()
+        handle.fingerprint()
+        warm = time.perf_counter() - started
+    row = {"files": len(files), "gib": size / 2**30, "read_seconds": read_seconds, "cold_seconds": cold,
+           "warm_seconds": warm, "cold_gib_per_s": size / 2**30 / cold, "cold_over_read": cold / read_seconds,
+           "parallel_files": digests.PARALLEL_FILES}
+    print(json.dumps(row), flush=True)
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("section", choices=["depth", "small", "tinyllama", "big"])
+    parser.add_argument("section", choices=["depth", "small", "tinyllama", "big", "keying"])
     parser.add_argument("--work", type=Path, default=Path("/tmp/blockfold-scale"))
     parser.add_argument("--depth-stats-memory", default="64MiB", help="depth: the fixed statistics budget of the second setting")
     args, extra = parser.parse_known_args()  # flags it does not know go to compress (tinyllama, big)
@@ -179,7 +214,7 @@ def main() -> None:
     from blockfold.jsonfile import write_json
 
     started = provenance(["bench/scale.py", *sys.argv[1:]])
-    result = {"depth": depth, "small": small, "tinyllama": tinyllama, "big": big}[args.section](args)
+    result = {"depth": depth, "small": small, "tinyllama": tinyllama, "big": big, "keying": keying}[args.section](args)
     results = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
     results[args.section] = {**result, "provenance": started}
     write_json(RESULTS, results, indent=1)

@@ -31,6 +31,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from blockfold.adapters import DecoderAdapter, get_adapter
 from blockfold.errors import BlockfoldError
 from blockfold.models.checkpoint import CheckpointReader
+from blockfold.models.digests import file_digests
 from blockfold.models.naming import load_stored, stored_tensors
 from blockfold.models.quantized import dequantized_weight, is_quantized_linear, keep_standard_4bit_layout, make_plain_linear
 
@@ -179,9 +180,10 @@ class ModelHandle:
 
     def fingerprint(self) -> str:
         """A short content hash: of the weights for a resident model; for a streamed one, of the
-        checkpoint's tensor names, shapes, dtypes and file sizes (reading every weight to hash it would
-        cost a pass), which tensor each parameter is now, and the edited or owned ones' values (a fold
-        or a removal changes the fingerprint, so a cached pass is never served to changed weights)."""
+        checkpoint's tensor names, shapes and dtypes and of its files' bytes (hashed once per file,
+        ``models/digests.py``: a fine-tune with the same shards gets another key), which tensor each
+        parameter is now, and the edited or owned ones' values (a fold or a removal changes the
+        fingerprint, so a cached pass is never served to changed weights)."""
         if self.resident:
             from blockfold.models.sources import model_fingerprint
 
@@ -190,8 +192,10 @@ class ModelHandle:
         reader, store = self.store.reader, self.store
         for name in sorted(reader.names()):
             digest.update(f"{name} {reader.shape(name)} {reader.dtype(name)}".encode())
-        for path in sorted(reader.folder.glob("*.safetensors")):
-            digest.update(f"{path.name} {path.stat().st_size}".encode())
+        files = sorted(reader.folder.glob("*.safetensors"))
+        contents = file_digests(files)
+        for path in files:
+            digest.update(f"{path.name} {contents[path]}".encode())
         for module_name, module in self.model.named_modules():
             for attr, param in module._parameters.items():
                 if param is None:
