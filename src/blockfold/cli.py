@@ -88,8 +88,10 @@ def _add_execution(p, pipeline: bool = True, save: bool = False) -> None:
                            help="whole: the model resident; sequential: one layer at a time from the checkpoint "
                                 "(the whole model is never in memory); auto: whole when the weights fit easily")
         group.add_argument("--offload", choices=["auto", "none", "cpu", "disk"], default="auto",
-                           help="sequential pipeline: where activations wait between layers")
-        group.add_argument("--offload-dir", help="folder for --offload disk (default: the system's temporary folder)")
+                           help="where activations wait between layers: auto (on the device while they take at most "
+                                "half its free memory, then CPU memory, then disk), none (the device), cpu, disk")
+        group.add_argument("--offload-dir", help="folder for activations spilled to disk (--offload disk or auto; "
+                                                 "default: the system's temporary folder)")
         group.add_argument("--chunk-sequences", type=int,
                            help="sequences run through each layer together (sequential: weights are read once per "
                                 "chunk; whole: the most in one forward); default: as many as a memory budget allows")
@@ -387,7 +389,7 @@ def _check_calibration_source(source: str | None, flag: str = "--calib") -> None
 
 def _check_offload(execution) -> None:
     """An offload folder that is missing or read-only fails before any model is loaded."""
-    if execution.offload == "disk":
+    if execution.offload == "disk" or execution.offload_dir is not None:
         from blockfold.runtime import check_offload_dir
 
         check_offload_dir(execution.offload_dir)

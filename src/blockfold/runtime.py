@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from blockfold.errors import BlockfoldError
 from blockfold.schema import Strict
@@ -37,7 +37,8 @@ class Execution(Strict):
     # whole: the model resident on the device, batches run through it one after the other;
     # sequential: one decoder layer at a time, read from the checkpoint; auto: whole when it fits
     pipeline: Literal["auto", "whole", "sequential"] = "auto"
-    # where the sequential pipeline keeps activations between layers
+    # where activations wait between layers (the sequential pipeline, the refit, SLEB, LaCo, ...): auto
+    # keeps them on the device while they take at most half of its free memory, then CPU memory, then disk
     offload: Literal["auto", "none", "cpu", "disk"] = "auto"
     offload_dir: str | None = None
     # sequences per chunk of the sequential pipeline (weights are read once per chunk), and the most
@@ -55,6 +56,13 @@ class Execution(Strict):
     # a folder of finished passes shared by jobs: a pass over the same weights, calibration tokens and
     # statistics is loaded from it instead of run
     stats_cache: str | None = None
+
+    @model_validator(mode="after")
+    def _offload_folder_needs_disk(self) -> "Execution":
+        if self.offload_dir is not None and self.offload in ("none", "cpu"):
+            raise ValueError(f"offload_dir (--offload-dir) is where activations spill to disk, and offload "
+                             f"{self.offload} keeps them in memory: use --offload disk (or auto), or drop --offload-dir")
+        return self
 
 
 def resolve_device(spec: str) -> torch.device:

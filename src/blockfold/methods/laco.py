@@ -148,7 +148,7 @@ def compress_laco(job: Job) -> dict:
     remaining = settings.num_blocks(job.num_layers)
     batches = _first_sequences(list(job.calibration), settings.similarity_sequences)
     original_index = list(range(job.num_layers))
-    store_kind, offload_dir = job.runner.store_kind(), job.runner.execution.offload_dir
+    store_kind, offload_dir = job.runner.store_kind(batches), job.runner.execution.offload_dir
     reference = last_block_outputs(job.handle, batches, store_kind, offload_dir)
     steps = []
     with tqdm(total=remaining, desc="LaCo", unit="block") as progress:

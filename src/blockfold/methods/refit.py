@@ -106,7 +106,9 @@ class DownstreamRefit:
         if self.inapplicable is not None:
             logger.warning("no down-projection of this model can be refitted (%s): the refit is skipped", self.inapplicable)
             return self
-        self.store = ActivationStore(self.job.runner.store_kind(), handle.device, self.job.runner.execution.offload_dir)
+        kept = 4 + len(self.spans)  # per batch: the input, each span's end, the original stream, two sublayer inputs
+        self.store = ActivationStore(self.job.runner.store_kind(self.batches, kept), handle.device,
+                                     self.job.runner.execution.offload_dir)
         try:
             self._record_original()
         except BaseException:

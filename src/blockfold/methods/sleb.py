@@ -57,7 +57,7 @@ def compress_sleb(job: Job) -> dict:
     steps = []
     for _ in tqdm(range(count), desc="SLEB", unit="block"):
         perplexities = candidate_losses(job.handle, batches, list(range(job.num_layers)),
-                                        job.runner.store_kind(), job.runner.execution.offload_dir)
+                                        job.runner.store_kind(batches), job.runner.execution.offload_dir)
         best = min(perplexities, key=perplexities.get)
         steps.append({"removed": original_index[best], "calibration_perplexity": perplexities[best],
                       "candidates": {original_index[b]: v for b, v in perplexities.items()}})

@@ -60,7 +60,7 @@ def _train_in_place(job: Job, start: int, end: int, settings: Streamline) -> lis
     handle = job.handle
     batches = list(job.calibration)
     losses = []
-    with ActivationStore(job.runner.store_kind(), handle.device, job.runner.execution.offload_dir) as store:
+    with ActivationStore(job.runner.store_kind(batches, 3), handle.device, job.runner.execution.offload_dir) as store:
         program = LayerProgram(handle, batches, store, end - 1)
         for index in range(end):
             if index == start:

@@ -36,6 +36,8 @@ CPU_ACTIVATION_BYTES = 512 << 20
 CPU_WHOLE_GROUP_BYTES = 96 << 20
 #: share of the free memory where the statistics live that their float64 sums may take by default
 STATS_SHARE = 0.25
+#: --offload auto: share of a place's free memory that activations kept between layers may take there
+OFFLOAD_SHARE = 0.5
 
 
 class Runner:
@@ -49,6 +51,8 @@ class Runner:
         self.pass_seconds = 0.0  # time spent in passes, so the rest of a job (selection, fits) can be told apart
         self.cached_passes = 0
         self.resumed_passes = 0
+        #: where activations waited between layers (``--offload auto`` decides per store)
+        self.offloaded: set[str] = set()
         self.checkpoints = (Checkpoints(Path(self.execution.resume_dir), self.ranks.rank, self.execution.checkpoint_seconds)
                             if self.execution.resume_dir else None)
         self.cache = StatsCache(self.execution.stats_cache) if self.execution.stats_cache else None
@@ -100,14 +104,33 @@ class Runner:
         if done == len(groups):
             return
         if sequential:
-            run_sequential(self.handle, groups, observers, self.store_kind(), self.execution.offload_dir, description,
+            largest = max(groups[done:], key=lambda chunk: sum(batch.attention_mask.numel() for batch in chunk))
+            run_sequential(self.handle, groups, observers, self.store_kind(largest), self.execution.offload_dir, description,
                            done, after, show=self.ranks.is_main)
         else:
             run_whole(self.handle, groups, observers, description, done, after, show=self.ranks.is_main)
 
-    def store_kind(self) -> str:
-        """Where activations wait between layers: the device unless offloading was asked for."""
-        return {"auto": "device", "none": "device", "cpu": "cpu", "disk": "disk"}[self.execution.offload]
+    def store_kind(self, batches: Iterable[Batch] = (), copies: int = 1) -> str:
+        """Where activations wait between layers: as ``--offload`` says; ``auto`` keeps ``copies`` of the
+        hidden states of ``batches`` on the device while they take at most ``OFFLOAD_SHARE`` of its free
+        memory, else in CPU memory under the same share (an accelerator's host), else on disk."""
+        if self.execution.offload != "auto":
+            return {"none": "device", "cpu": "cpu", "disk": "disk"}[self.execution.offload]
+        device = self.handle.device
+        d = self.handle.adapter.hidden_size(self.handle.model)
+        needed = copies * sum(batch.attention_mask.numel() for batch in batches) * d * self.handle.dtype.itemsize
+        places = [("device", device)] + ([("cpu", torch.device("cpu"))] if device.type != "cpu" else [])
+        for kind, place in places:
+            free = free_memory(place)
+            if free is None or needed <= OFFLOAD_SHARE * free:
+                break
+        else:
+            kind = "disk"
+        if kind != "device":
+            log.info("activations of %.1f GiB wait %s (--offload auto; free memory too small to keep them on %s)",
+                     needed / 2**30, "in CPU memory" if kind == "cpu" else "on disk", device)
+        self.offloaded.add(kind)
+        return kind
 
     def activation_bytes_per_token(self, observers: list[Observer]) -> int:
         """Working memory per calibration token of one chunk: the hidden state kept between layers,
