@@ -12,6 +12,11 @@ about 1e-6, so that the post-MLP norm acts linearly on its tiny output. Plain tr
 by about the learning rate per step and wreck that fold; ``lt`` trains it in its own scale instead
 (the learning rate times the fold's scale: with Adam, the same as training ``W / scale``), and
 ``lora`` leaves it out (an adapter's update is not small there).
+
+On a half-precision model the optimizer steps float32 master copies of the trained weights (an Adam
+step of 1e-4 is below bfloat16's resolution for most weights and would round away), and in float16
+the loss is scaled so that small gradients do not underflow: the scale halves on an overflow (the step
+is skipped) and doubles after a run of finite steps, as mixed-precision training does.
 """
 
 from __future__ import annotations
@@ -85,6 +90,55 @@ def _lora_targets(model: PreTrainedModel, excluded_blocks: set[int]) -> list[str
     return targets
 
 
+class MasterWeights:
+    """Float32 copies of the half-precision parameters in ``groups``, which the optimizer steps instead;
+    ``step`` copies the gradients in (unscaled), steps, and writes the rounded copies back. A float16
+    model's loss is scaled dynamically (``scale``)."""
+
+    #: finite steps after which the float16 loss scale doubles
+    GROWTH_INTERVAL = 50
+
+    def __init__(self, groups: list[dict], loss_scaling: bool):
+        self.pairs: list[tuple[torch.nn.Parameter, torch.nn.Parameter]] = []
+        self.groups, self.stepped = [], []
+        for group in groups:
+            params = []
+            for param in group["params"]:
+                if param.dtype in (torch.float16, torch.bfloat16):
+                    self.pairs.append((param, torch.nn.Parameter(param.detach().float())))
+                    params.append(self.pairs[-1][1])
+                else:
+                    params.append(param)
+            self.groups.append({**group, "params": params})
+            self.stepped += params
+        self.loss_scaling, self.scale = loss_scaling, 2.0 ** 12 if loss_scaling else 1.0
+        self._finite_steps, self.skipped = 0, 0
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (loss * self.scale).backward()
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Unscale the gradients into the masters and step, or skip the step after an overflow."""
+        for param, master in self.pairs:
+            master.grad = param.grad.float() if param.grad is not None else None
+            param.grad = None
+        gradients = [param.grad for param in self.stepped if param.grad is not None]
+        for gradient in gradients:
+            gradient.div_(self.scale)
+        if self.loss_scaling and not all(bool(torch.isfinite(gradient).all()) for gradient in gradients):
+            self.scale, self._finite_steps, self.skipped = self.scale / 2, 0, self.skipped + 1
+            optimizer.zero_grad()
+            return
+        optimizer.step()
+        optimizer.zero_grad()
+        with torch.no_grad():
+            for param, master in self.pairs:
+                param.copy_(master)
+        self._finite_steps += 1
+        if self.loss_scaling and self._finite_steps % self.GROWTH_INTERVAL == 0:
+            self.scale *= 2
+
+
 def heal(model: PreTrainedModel, data: CalibrationSet, config: HealConfig, manifest: dict | None = None) -> PreTrainedModel:
     """Train ``model`` as ``config`` says on ``data``'s batches; returns the (merged) model and
     records what was done in ``manifest["healing"]`` when a manifest is given."""
@@ -110,7 +164,9 @@ def heal(model: PreTrainedModel, data: CalibrationSet, config: HealConfig, manif
         what["linearized_down_proj_blocks"] = {"blocks": sorted(scales), "handled_as": "trained in the fold's scale"
                                                if config.mode == "lt" else "left out of the adapters"}
     parameters = [p for group in groups for p in group["params"]]
-    optimizer = torch.optim.AdamW(groups, lr=config.learning_rate, weight_decay=0.0)
+    half = {p.dtype for p in trained.parameters()} & {torch.float16, torch.bfloat16}
+    masters = MasterWeights(groups, loss_scaling=torch.float16 in half)
+    optimizer = torch.optim.AdamW(masters.groups, lr=config.learning_rate, weight_decay=0.0)
     batches = list(data)
     if not batches:
         raise BlockfoldError("healing data has no batches: give a non-empty --data")
@@ -125,9 +181,8 @@ def heal(model: PreTrainedModel, data: CalibrationSet, config: HealConfig, manif
         value = float(loss.detach())
         if not math.isfinite(value):
             raise BlockfoldError(f"healing diverged at step {step} (loss {value}): lower --lr")
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
+        masters.backward(loss)
+        masters.step(optimizer)
         losses.append(value)
         progress.set_postfix(loss=f"{value:.3f}")
     trained.eval()
@@ -141,5 +196,7 @@ def heal(model: PreTrainedModel, data: CalibrationSet, config: HealConfig, manif
             "trained_parameters": sum(p.numel() for p in parameters),
             "loss_first_steps": sum(losses[:window]) / window, "loss_last_steps": sum(losses[-window:]) / window,
             "seconds": time.perf_counter() - started,
+            **({"master_weights": "float32", "loss_scale": masters.scale if masters.loss_scaling else None,
+                "skipped_steps": masters.skipped} if half else {}),
         }
     return model
