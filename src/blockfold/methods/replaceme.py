@@ -229,6 +229,15 @@ def _fit_sandwich(job: Job, start: int, length: int, equations: NormalEquations)
     if settings.estimator in ("diagonal", "orthogonal", "lowrank"):  # the constraint holds on T only there
         fold = "linearized-norm"
     span = f"{start}-{start + length - 1}"
+    if job.handle.dtype == torch.float16:  # the linearized fold's weights (~1e-10) and norm scale (~1e6) do not fit
+        if fold in ("linearized-norm", "compare") or settings.sandwich_fold == "linearized-norm":
+            raise BlockfoldError(f"the {fold} sandwich fold needs weights near 1e-10 and a norm scale near 1e6, which "
+                                 "float16 cannot hold: run in --dtype bfloat16 or float32, or use --sandwich-fold "
+                                 "through-norm" + (f" (the {settings.estimator} estimator folds linearized-norm only: "
+                                                   "use lstsq or cosine with it)" if fold != settings.sandwich_fold else ""))
+        logger.warning("span %s: running in float16, which cannot hold the linearized-norm fold; folding through-norm",
+                       span)
+        fold = "through-norm"
     sample = SpanSample(start, length, settings.cosine.max_tokens, job.calibration.num_tokens, pre_norm=True,
                         seed=job.seed)
     observers = [sample]

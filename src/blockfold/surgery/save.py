@@ -100,6 +100,27 @@ def staged_folder(out: str | Path, overwrite: bool = False) -> Iterator[Path]:
         shutil.rmtree(staging, ignore_errors=True)
 
 
+#: float16's own rounding is at most 2^-11 relative; a tensor cast with a larger error than this lost it
+#: to the range, not the rounding (subnormals, values flushed to zero, or inf)
+FLOAT16_CAST_ERROR = 1e-2
+
+
+def _cast_checked(name: str, value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``value`` in ``dtype``, refused where float16 cannot hold it: the cast's norm-wise relative error
+    past ``FLOAT16_CAST_ERROR`` (Gemma's linearized-norm fold stores weights near 1e-10, which flush to
+    zero, and a norm scale near 1e6, past float16's range)."""
+    cast = value.to(dtype)
+    if dtype != torch.float16 or value.dtype == torch.float16 or not value.is_floating_point():
+        return cast
+    original = value.double()
+    error = float((cast.double() - original).norm() / original.norm().clamp_min(torch.finfo(torch.float64).tiny))
+    if not error <= FLOAT16_CAST_ERROR:
+        raise BlockfoldError(f"{name} cannot be saved in float16 (relative error {error:.3g} from its range; a Gemma "
+                             "linearized-norm fold does this): save in bfloat16 or float32 (--save-dtype), or compress "
+                             "with --sandwich-fold through-norm")
+    return cast
+
+
 def write_checkpoint(handle: ModelHandle, folder: Path, save_dtype: torch.dtype | None = None,
                      max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> None:
     """Write the model's weights, config and generation config into ``folder``, tensor by tensor:
@@ -124,7 +145,7 @@ def write_checkpoint(handle: ModelHandle, folder: Path, save_dtype: torch.dtype 
     writer = ShardWriter(folder, max_shard_bytes, layout)
     for name, module, attr, tensor in tqdm(entries, desc="writing checkpoint", unit="tensor", leave=False):
         value = handle.saved_value(module, attr) if attr in module._parameters else tensor
-        for stored, piece in stored_tensors(model, name, value.to(dtype_of(value))).items():
+        for stored, piece in stored_tensors(model, name, _cast_checked(name, value, dtype_of(value))).items():
             writer.add(stored, piece.contiguous())
     for saved, source in companions.items():  # as stored: a 4-bit weight's state is never cast
         writer.add(saved, reader.get(source))
