@@ -332,3 +332,29 @@ def test_the_stats_cache_serves_another_budget_and_only_the_same_weights(workdir
     assert stale.returncode == 2 and "written by another blockfold" in stale.stderr and "Traceback" not in stale.stderr
     foreign = _blockfold(workdir, *nbl, "--attn", "3", "--stats-cache", "tiny", "--out", "foreign")
     assert foreign.returncode == 2 and "is not a statistics cache" in foreign.stderr
+
+
+FAIL_ON_RANK_ONE = """
+import os
+if os.environ.get("RANK") == "1":
+    from blockfold import methods
+
+    def broken(job):
+        raise RuntimeError("a failure of rank one's own")
+
+    methods.METHODS["replaceme"] = broken
+"""
+
+
+def test_a_rank_that_fails_names_its_own_error_and_is_not_blamed_on_the_others(workdir, tmp_path):
+    """Rank 1 raises in its method (loaded by a sitecustomize of the test, not by blockfold): its own
+    line says so; no rank reports rank 1's error as another process's."""
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(FAIL_ON_RANK_ONE)
+    job = _blockfold(workdir, "compress", "--model", "tiny", "--calib", "corpus.txt", *CALIBRATION, "--blocks", "2",
+                     "--out", "out", processes=2, extra_env={"PYTHONPATH": str(hooks)})
+    assert job.returncode != 0
+    assert "blockfold: error (rank 1): RuntimeError: a failure of rank one's own" in job.stderr
+    assert "error (rank 1): another process" not in job.stderr
+    assert not (workdir / "out").exists()

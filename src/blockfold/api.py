@@ -23,7 +23,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from blockfold import __version__
 from blockfold.data import CalibrationSet, build_calibration
-from blockfold.errors import BlockfoldError
+from blockfold.errors import BlockfoldError, out_of_memory
 from blockfold.models import ModelHandle, WeightStore
 from blockfold.recipe import SELF_GENERATED, Recipe, calibration_sources
 from blockfold.runtime import DTYPE_NAMES, DTYPES, Execution, resolve_device
@@ -224,7 +224,13 @@ def compress(
                                   "processes": runner.ranks.world_size})
     job = Job(handle, recipe.settings, calibration, runner, cache, seed=recipe.calibration.seed)
     started = time.perf_counter()
-    details = METHODS[recipe.method](job)
+    try:
+        details = METHODS[recipe.method](job)
+    except (RuntimeError, MemoryError) as error:
+        memory = out_of_memory(error)
+        if memory is None:
+            raise
+        raise memory from error
     elapsed = time.perf_counter() - started
     manifest = {
         "format": "blockfold-manifest/2",

@@ -776,9 +776,8 @@ def main(argv: list[str] | None = None) -> int:
     # a terminated run unwinds like an interrupted one, so its staging folder is removed
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-    import torch.distributed as dist
-
     from blockfold import distributed
+    from blockfold.errors import out_of_memory
 
     try:
         if distributed.launched():
@@ -789,13 +788,15 @@ def main(argv: list[str] | None = None) -> int:
     except BlockfoldError as err:
         print(f"blockfold: error{_rank_label()}: {err}", file=sys.stderr)
         return 2
-    except (dist.DistError, RuntimeError) as err:  # a rank died or hung: the collective the others waited in fails
-        if not distributed.current().several:
-            raise
-        print(f"blockfold: error{_rank_label()}: another process of this torchrun job failed or stopped answering "
-              f"({str(err).splitlines()[0]}); nothing was saved: see that process's error, then run the command again "
-              "(finished calibration passes resume from their checkpoints)", file=sys.stderr)
-        return 2
+    except (RuntimeError, MemoryError) as err:
+        memory = out_of_memory(err)
+        if memory is not None:
+            print(f"blockfold: error{_rank_label()}: {memory}", file=sys.stderr)
+            return 2
+        if distributed.current().several:  # this rank's own failure: named, so the others' reports point here
+            print(f"blockfold: error{_rank_label()}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}",
+                  file=sys.stderr)
+        raise
     finally:
         distributed.finish()
 

@@ -10,6 +10,7 @@ for statistics that live in CPU memory).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
@@ -19,7 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from blockfold.errors import BlockfoldError
+from blockfold.errors import BlockfoldError, PeerFailure
 from blockfold.stats.state import combine, load_observer_state, map_leaves, observer_state
 
 log = logging.getLogger(__name__)
@@ -107,13 +108,28 @@ def shard(batches: list, ranks: Ranks) -> tuple[list, int]:
     return mine, before
 
 
+@contextlib.contextmanager
+def _collective(what: str):
+    """A collective of every rank: where it breaks (gloo and NCCL raise a plain RuntimeError when a peer
+    dies or times out), the error says another process failed, so this rank does not report it as its own."""
+    try:
+        yield
+    except torch.OutOfMemoryError:
+        raise
+    except RuntimeError as error:
+        raise PeerFailure(f"another process of this torchrun job failed or stopped answering while {what} "
+                          f"({str(error).splitlines()[0][:200]}); nothing was saved: see that process's error, then "
+                          "run the command again (finished calibration passes resume from their checkpoints)") from None
+
+
 def all_agree(flag: bool) -> bool:
     """True when ``flag`` is true on every rank (a cached pass is used only if every rank has it)."""
     ranks = current()
     if not ranks.several:
         return flag
     flags = [None] * ranks.world_size
-    dist.all_gather_object(flags, bool(flag))
+    with _collective("agreeing on a cached pass"):
+        dist.all_gather_object(flags, bool(flag))
     return all(flags)
 
 
@@ -126,7 +142,8 @@ def reduce_observers(observers: list, ranks: Ranks) -> None:
         state = observer_state(observer)
         sums = {name: state[name] for name in type(observer).SUMS}
         layouts = [None] * ranks.world_size
-        dist.all_gather_object(layouts, _layout(sums))
+        with _collective("combining the statistics"):
+            dist.all_gather_object(layouts, _layout(sums))
         if any(layout != layouts[0] for layout in layouts):
             raise BlockfoldError(f"the processes accumulated different {type(observer).__name__} statistics (a rank saw "
                                  "no tokens of some layer): give every process more calibration batches")
@@ -134,7 +151,8 @@ def reduce_observers(observers: list, ranks: Ranks) -> None:
         rows = {}
         for name in type(observer).ROWS:
             gathered = [None] * ranks.world_size
-            dist.all_gather_object(gathered, state[name])
+            with _collective("combining the statistics"):
+                dist.all_gather_object(gathered, state[name])
             rows[name] = combine(gathered, rows=True)
         load_observer_state(observer, {**reduced, **rows})
 
@@ -177,8 +195,9 @@ def _reduce_sums(sums: dict) -> dict:
 
 def _reduce_in_place(tensor: torch.Tensor) -> None:
     group = _cpu_group if tensor.device.type == "cpu" else None
-    dist.reduce(tensor, dst=0, group=group)
-    dist.broadcast(tensor, src=0, group=group)
+    with _collective("combining the statistics"):
+        dist.reduce(tensor, dst=0, group=group)
+        dist.broadcast(tensor, src=0, group=group)
 
 
 __all__ = ["Ranks", "all_agree", "current", "finish", "init_from_environment", "launched", "reduce_observers", "shard"]
