@@ -60,7 +60,11 @@ class OnDevice(torch.Tensor):
             and not _on_device(kwargs["device"])
         if (func is torch.ops.aten._to_copy.default and "device" in kwargs) or _on_device(kwargs.get("device")):
             kwargs["device"] = torch.device("cpu")  # factories autograd calls with the device (a gradient's buffer)
-        out = func(*args, **kwargs)
+        if func is torch.ops.aten.histc.default and not args[0].is_floating_point():
+            # CUDA counts integers (transformers' grouped experts do); the CPU kernel takes floats only
+            out = func(args[0].float(), *args[1:], **kwargs).to(args[0].dtype)
+        else:
+            out = func(*args, **kwargs)
         if leaving:
             return out
         return tree_map(lambda t: OnDevice(t) if isinstance(t, torch.Tensor) and not isinstance(t, OnDevice) else t, out)
@@ -110,6 +114,13 @@ class _Moves(TorchFunctionMode):
 
 @contextlib.contextmanager
 def simulated_accelerator():
-    """Within the block, ``DEVICE`` behaves as a separate accelerator."""
-    with _Moves(), _Factories():
-        yield DEVICE
+    """Within the block, ``DEVICE`` behaves as a separate accelerator. ``module.float()`` and the like
+    swap parameters whole (as torch does for subclasses that opt in), since assigning ``.data`` of a
+    wrapper would change its reported dtype and not the tensor it wraps."""
+    swapping = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        with _Moves(), _Factories():
+            yield DEVICE
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swapping)
