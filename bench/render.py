@@ -113,6 +113,16 @@ def render_scale(results: dict) -> str:
     if big:
         lines += _large_rows("Larger than the machine: random weights, Llama-2-7B's width, 64 blocks, bfloat16", big,
                              machine=True)
+    keying = results.get("keying")
+    if keying:
+        lines += ["### Keying a streamed checkpoint: the same 25 GiB random checkpoint", "",
+                  "The fingerprint behind `--stats-cache` and resume folders hashes every shard's bytes once "
+                  "(SHA-256, several files at once), then reads the digests from an index.", "",
+                  "| files | size | reading the bytes alone | fingerprint, first time | fingerprint, index read | "
+                  "first time / reading |", "|---|---|---|---|---|---|",
+                  f"| {keying['files']} | {keying['gib']:.1f} GiB | {keying['read_seconds']:.1f} s | "
+                  f"{keying['cold_seconds']:.1f} s ({keying['cold_gib_per_s']:.2f} GiB/s) | {keying['warm_seconds']:.3f} s | "
+                  f"**{keying['cold_over_read']:.2f}** |", "", _provenance_line(keying["provenance"]), ""]
     return "\n".join(lines).rstrip("\n")
 
 

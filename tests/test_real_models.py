@@ -125,6 +125,7 @@ def _gemma():
     return blockfold.load_model("gemma3-270m")
 
 
+@pytest.mark.slow  # about 2 minutes on 2 cores; the tiny Gemma 3 of the composition matrix runs in the default set
 def test_gemma3_compress_reload_generate(tmp_path):
     gemma = _gemma()
     # 16k tokens: with only a few thousand, a 640×640 map overfits and can lose to plain removal
@@ -171,6 +172,7 @@ def test_smollm2_nbl_beats_drop_attention_and_ships_its_modeling_code(smollm2, t
 GEMMA_NBL4_PPL_BOUND = 2.0
 
 
+@pytest.mark.slow  # about 1.5 minutes on 2 cores
 def test_gemma3_nbl_four_attention_layers_end_to_end(tmp_path):
     """Gemma's attention has a norm before and after it: the map goes from the input norm's output to
     the post-attention norm's output, and that norm becomes the identity."""

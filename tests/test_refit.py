@@ -380,6 +380,7 @@ def test_with_the_stream_scale_the_gap_block_fits_at_least_as_well_as_without():
     assert errors[True] <= errors[False] + 1e-12
 
 
+@pytest.mark.slow  # two compressions and 2 x 32 perplexity windows of SmolLM2: over a minute on 2 cores
 def test_refitting_the_input_projections_too_lowers_held_out_perplexity_on_a_real_model(smollm2):
     """On SmolLM2-135M, 8 blocks from 12: the blocks after the span read a stream the removal changed;
     correcting what their q, k, v, gate and up projections compute from it (``all``) must beat refitting

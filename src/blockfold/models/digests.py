@@ -69,7 +69,8 @@ def file_digests(paths: list[Path]) -> dict[Path, str]:
             missing.append(path)
     if missing:
         size = sum(path.stat().st_size for path in missing)
-        log.info("hashing %d checkpoint file(s), %.1f GiB, once (kept in %s)", len(missing), size / 2**30, index_path)
+        (log.info if size >= 1 << 30 else log.debug)("hashing %d checkpoint file(s), %.1f GiB, once (kept in %s)",
+                                                     len(missing), size / 2**30, index_path)
         with ThreadPoolExecutor(PARALLEL_FILES) as pool:
             for path, digest in zip(missing, pool.map(_hash_file, missing)):
                 digests[path] = digest
