@@ -145,30 +145,44 @@ def test_missing_perplexity_text_names_where_to_get_it(capsys, tiny_folder, tmp_
     _assert_one_line_error(code, err, "not found", "wikitext")
 
 
+#: reloads every folder named on its command line in one process where blockfold cannot be imported
 RELOAD_SCRIPT = r"""
 import sys, json, torch
 sys.modules["blockfold"] = None  # blockfold must not be importable here
 from transformers import AutoModelForCausalLM
-model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32).eval()
-ids = torch.tensor(json.loads(sys.argv[2]))
-out = model.generate(ids, max_new_tokens=12, do_sample=False, use_cache=True, pad_token_id=0)
-print(json.dumps(out.tolist()))
+ids = torch.tensor(json.loads(sys.argv[1]))
+generated = {}
+for folder in sys.argv[2:]:
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    generated[folder] = model.generate(ids, max_new_tokens=12, do_sample=False, use_cache=True, pad_token_id=0).tolist()
+print(json.dumps(generated))
 """
+RELOAD_IDS = [[5, 17, 33, 8, 61, 20]]
 
 
-def test_saved_output_reloads_without_blockfold_and_generates_same_tokens(arch, tmp_path):
+@pytest.fixture(scope="module")
+def reloaded(tmp_path_factory) -> dict[str, tuple[list, list]]:
+    """Every architecture compressed and saved, then reloaded by plain transformers in one other
+    process: {architecture: (the tokens blockfold's model generates, the reloaded model's)}."""
     import blockfold
+    from conftest import ARCHITECTURES, random_calibration
 
-    model = tiny_model(arch)
-    from conftest import random_calibration
-
-    result = blockfold.compress(model, tiny_tokenizer(), {"blocks": 2}, calibration=random_calibration())
-    out = result.save(tmp_path / "out")
-    ids = [[5, 17, 33, 8, 61, 20]]
-    expected = model.generate(torch.tensor(ids), max_new_tokens=12, do_sample=False, use_cache=True, pad_token_id=0)
-    completed = subprocess.run([sys.executable, "-c", RELOAD_SCRIPT, str(out), json.dumps(ids)],
+    root, expected, folders = tmp_path_factory.mktemp("reload"), {}, {}
+    for arch in ARCHITECTURES:
+        model = tiny_model(arch)
+        result = blockfold.compress(model, tiny_tokenizer(), {"blocks": 2}, calibration=random_calibration())
+        folders[arch] = str(result.save(root / arch))
+        expected[arch] = model.generate(torch.tensor(RELOAD_IDS), max_new_tokens=12, do_sample=False, use_cache=True,
+                                        pad_token_id=0).tolist()
+    completed = subprocess.run([sys.executable, "-c", RELOAD_SCRIPT, json.dumps(RELOAD_IDS), *folders.values()],
                                capture_output=True, text=True, check=True)
-    assert json.loads(completed.stdout.strip().splitlines()[-1]) == expected.tolist()
+    generated = json.loads(completed.stdout.strip().splitlines()[-1])
+    return {arch: (expected[arch], generated[folders[arch]]) for arch in ARCHITECTURES}
+
+
+def test_saved_output_reloads_without_blockfold_and_generates_same_tokens(arch, reloaded):
+    expected, generated = reloaded[arch]
+    assert generated == expected
 
 
 @pytest.mark.parametrize("method", ["uidl", "drop-block"])

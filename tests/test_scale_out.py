@@ -291,22 +291,33 @@ def test_a_killed_run_resumes_to_the_same_output(workdir):
     assert not (workdir / ".out.resume").exists()  # saved: the checkpoints are gone
 
 
-def test_a_changed_run_refuses_to_resume_and_no_resume_starts_afresh(workdir):
+def test_a_changed_run_refuses_to_resume_and_no_resume_starts_afresh(workdir, capsys, monkeypatch):
+    """Killed for real, then every later run in this process (the refusals are the resume folder's
+    behaviour, not a launch path's)."""
+    from blockfold.cli import main
+
     _kill_after_first_checkpoint(workdir, "out")
-    changed = _blockfold(workdir, *_with(RESUMABLE, "--blocks", "1"), "--out", "out")
-    assert changed.returncode == 2 and "holds checkpoints of a run with another recipe" in changed.stderr
-    assert "Traceback" not in changed.stderr
+    monkeypatch.chdir(workdir)
+
+    def run(*argv: str) -> tuple[int, str, str]:
+        capsys.readouterr()
+        code = main([*argv, "--out", "out"])
+        captured = capsys.readouterr()
+        return code, captured.out, captured.err
+
+    code, _, err = run(*_with(RESUMABLE, "--blocks", "1"))
+    assert code == 2 and "holds checkpoints of a run with another recipe" in err and "Traceback" not in err
     corpus = (workdir / "corpus.txt").read_text()
     (workdir / "corpus.txt").write_text(corpus.replace("w1", "w2"))  # the same recipe, other tokens
-    other_data = _blockfold(workdir, *RESUMABLE, "--out", "out")
-    assert other_data.returncode == 2 and "a run with another calibration:" in other_data.stderr
+    code, _, err = run(*RESUMABLE)
+    assert code == 2 and "a run with another calibration:" in err
     (workdir / "corpus.txt").write_text(corpus)
     tiny_model("llama", seed=1).save_pretrained(workdir / "tiny")  # the same recipe, other weights
-    other_model = _blockfold(workdir, *RESUMABLE, "--out", "out")
-    assert other_model.returncode == 2 and "a run with another model:" in other_model.stderr
-    fresh = _blockfold(workdir, *_with(RESUMABLE, "--blocks", "1"), "--out", "out", "--no-resume")
-    assert fresh.returncode == 0, fresh.stderr
-    assert "resumed" not in fresh.stdout
+    code, _, err = run(*RESUMABLE)
+    assert code == 2 and "a run with another model:" in err
+    code, out, err = run(*_with(RESUMABLE, "--blocks", "1"), "--no-resume")
+    assert code == 0, err
+    assert "resumed" not in out
 
 
 # -- the statistics cache --------------------------------------------------------------------------
