@@ -5,6 +5,7 @@ gave, or a file re-validated with a flag on top keeps a default that no longer a
 
 from __future__ import annotations
 
+import types
 import typing
 
 import pytest
@@ -28,7 +29,7 @@ def _values_of(annotation, field) -> st.SearchStrategy:
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if origin is typing.Literal:
         return st.sampled_from(args)
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)) or args and type(None) in args:
+    if origin in (typing.Union, types.UnionType):
         return st.one_of(*(_values_of(arg, field) for arg in args if arg is not type(None)))
     if origin is typing.Annotated:
         return st.integers(0, 6)

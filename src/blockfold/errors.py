@@ -24,7 +24,7 @@ def out_of_memory(error: BaseException) -> BlockfoldError | None:
     text = str(error).splitlines()[0] if str(error) else type(error).__name__
     if isinstance(error, torch.OutOfMemoryError):
         where = "the accelerator"
-    elif isinstance(error, (RuntimeError, MemoryError)) and ("can't allocate memory" in text or isinstance(error, MemoryError)):
+    elif isinstance(error, MemoryError) or (isinstance(error, RuntimeError) and "can't allocate memory" in text):
         where = "CPU memory"
     else:
         return None

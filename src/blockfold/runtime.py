@@ -25,6 +25,13 @@ DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bf
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 
+def saved_dtype(spec: str | torch.dtype | None) -> torch.dtype | None:
+    """The dtype a ``--save-dtype`` (name or dtype) asks for; None for ``auto`` or nothing: the source's."""
+    if spec is None or spec == "auto":
+        return None
+    return DTYPES[spec] if isinstance(spec, str) else spec
+
+
 class Execution(Strict):
     """How a job runs. ``auto`` values are resolved against the machine and the model."""
 

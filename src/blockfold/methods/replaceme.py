@@ -230,7 +230,7 @@ def _fit_sandwich(job: Job, start: int, length: int, equations: NormalEquations)
         fold = "linearized-norm"
     span = f"{start}-{start + length - 1}"
     if job.handle.dtype == torch.float16:  # the linearized fold's weights (~1e-10) and norm scale (~1e6) do not fit
-        if fold in ("linearized-norm", "compare") or settings.sandwich_fold == "linearized-norm":
+        if fold in ("linearized-norm", "compare"):
             raise BlockfoldError(f"the {fold} sandwich fold needs weights near 1e-10 and a norm scale near 1e6, which "
                                  "float16 cannot hold: run in --dtype bfloat16 or float32, or use --sandwich-fold "
                                  "through-norm" + (f" (the {settings.estimator} estimator folds linearized-norm only: "

@@ -114,8 +114,12 @@ class Runner:
         """Where activations wait between layers: as ``--offload`` says; ``auto`` keeps ``copies`` of the
         hidden states of ``batches`` on the device while they take at most ``OFFLOAD_SHARE`` of its free
         memory, else in CPU memory under the same share (an accelerator's host), else on disk."""
-        if self.execution.offload != "auto":
-            return {"none": "device", "cpu": "cpu", "disk": "disk"}[self.execution.offload]
+        kind = ({"none": "device", "cpu": "cpu", "disk": "disk"}[self.execution.offload]
+                if self.execution.offload != "auto" else self._auto_store_kind(batches, copies))
+        self.offloaded.add(kind)
+        return kind
+
+    def _auto_store_kind(self, batches: Iterable[Batch], copies: int) -> str:
         device = self.handle.device
         d = self.handle.adapter.hidden_size(self.handle.model)
         needed = copies * sum(batch.attention_mask.numel() for batch in batches) * d * self.handle.dtype.itemsize
@@ -129,7 +133,6 @@ class Runner:
         if kind != "device":
             log.info("activations of %.1f GiB wait %s (--offload auto; free memory too small to keep them on %s)",
                      needed / 2**30, "in CPU memory" if kind == "cpu" else "on disk", device)
-        self.offloaded.add(kind)
         return kind
 
     def activation_bytes_per_token(self, observers: list[Observer]) -> int:
