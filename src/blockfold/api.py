@@ -149,7 +149,9 @@ def as_handle(model, tokenizer: PreTrainedTokenizerBase | None, execution: Execu
         return open_model(model, execution, check=get_adapter)
     if isinstance(model, PreTrainedModel):
         from blockfold.models.multimodal import language_model_view
+        from blockfold.runtime import settle_vector_math
 
+        settle_vector_math()
         model.eval()
         model.requires_grad_(False)
         parameter = next(model.parameters())

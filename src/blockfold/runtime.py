@@ -98,6 +98,24 @@ def resolve_device(spec: str) -> torch.device:
     return device
 
 
+# Element-wise functions that ATen hands to MKL's vector math library (VML) on CPU.
+VECTOR_MATH_FUNCTIONS = ("cos", "sin", "tan", "acos", "asin", "atan", "exp", "expm1", "log", "log10", "log1p",
+                         "sqrt", "rsqrt", "tanh", "erf", "erfc", "erfinv", "sigmoid", "reciprocal", "abs")
+
+
+@functools.cache
+def settle_vector_math() -> None:
+    """Call each of MKL's vector math functions once, on one element and so on one thread, before any
+    computation of a job can be the first call of one: MKL 2024.2, which torch's CPU wheels bundle,
+    picks a function's kernel on its first call and, when that call runs on several threads, may run
+    a low-accuracy kernel on one thread's chunk (pytorch/pytorch#188792; docs/scale-out.md).
+    """
+    for dtype in (torch.float32, torch.float64):
+        one = torch.full((1,), 0.5, dtype=dtype)
+        for name in VECTOR_MATH_FUNCTIONS:
+            getattr(one, name)()
+
+
 def resolve_dtype(name: str, device: torch.device, source: torch.dtype | None = None) -> torch.dtype:
     """The weights' dtype for ``name``, checked by running a small matrix product in it on ``device``."""
     if name == "auto":

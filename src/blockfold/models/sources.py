@@ -162,8 +162,9 @@ def load_model(
 
     ``check`` receives the config before any weights are read, so unsupported models fail fast.
     """
-    from blockfold.runtime import resolve_device, resolve_dtype
+    from blockfold.runtime import resolve_device, resolve_dtype, settle_vector_math
 
+    settle_vector_math()
     location = resolve_model_path(spec)
     config = read_config(location)
     check_quantized_source(config, pipeline)

@@ -22,7 +22,7 @@ from blockfold.pipelines.persist import Checkpoints, StatsCache, calibration_dig
 from blockfold.models.handle import ModelHandle
 from blockfold.pipelines.sequential import LayerProgram, chunks_of, run_sequential, sequences_for_budget
 from blockfold.pipelines.whole import run_whole
-from blockfold.runtime import Execution, free_memory
+from blockfold.runtime import Execution, free_memory, settle_vector_math
 from blockfold.stats.activations import Observer
 
 log = logging.getLogger(__name__)
@@ -44,6 +44,7 @@ class Runner:
     """Runs observer passes over ``handle`` with the pipeline its weights and ``execution`` call for."""
 
     def __init__(self, handle: ModelHandle, execution: Execution | None = None):
+        settle_vector_math()
         self.handle = handle
         self.execution = execution or Execution()
         self.ranks = distributed.current()
