@@ -31,10 +31,20 @@ from blockfold.surgery import remove_blocks, save_compressed
 pytestmark = pytest.mark.realmodel
 
 
-def _compressed_ppl(loaded, recipe, calibration, windows):
+def _compressed_ppl(loaded, recipe, calibration, windows, cache=None):
     model = copy.deepcopy(loaded.model)
-    result = blockfold.compress(model, loaded.tokenizer, recipe, calibration=calibration)
+    result = blockfold.compress(model, loaded.tokenizer, recipe, calibration=calibration, cache=cache)
     return perplexity(model, windows)["perplexity"], result
+
+
+@pytest.fixture(scope="module")
+def smollm2_c4(smollm2):
+    """The issue's calibration (64 × 512 tokens of the first 128 c4_demo documents) and one cache of
+    the passes run on it, so that the tests compressing SmolLM2 on it share their first passes."""
+    from blockfold.methods import PassCache
+
+    config, calibration, _ = _setup(smollm2, 64, 512, 1, max_documents=128)
+    return config, calibration, PassCache()
 
 
 #: recipe version 2's packing (documents joined by blank lines, no start per sequence): the data issue
@@ -75,21 +85,23 @@ def _assert_reloads_and_generates_same(model, tokenizer, manifest, tmp_path, rem
 
 
 @pytest.mark.slow  # the issue's 64 x 512 calibration: 5-6 minutes on 2 cores
-def test_smollm2_lstsq_beats_plain_removal_and_the_default_span_beats_angular(smollm2, tmp_path):
+def test_smollm2_lstsq_beats_plain_removal_and_the_default_span_beats_angular(smollm2, smollm2_c4, tmp_path):
     """The issue's calibration (64 × 512 tokens; with 4-8k tokens a full 576×576 lstsq map still
     overfits and can lose to plain removal), 8 of 30 blocks, perplexity on 8 windows."""
-    config, calibration, windows = _setup(smollm2, num_sequences=64, sequence_length=512, windows=8, max_documents=128)
+    config, calibration, cache = smollm2_c4
+    windows = tokenize_windows(read_eval_text(shared_file("wikitext2_test.txt")), smollm2.tokenizer, 512, 8)
     original = perplexity(smollm2.model, windows)["perplexity"]
     assert 20 < original < 40, f"SmolLM2-135M WikiText-2 ppl {original}: the model or the data is off"
     # the map alone (refit none): lstsq against plain removal and selection against angular are the
     # fold's claims; the refit's own checks are tests/test_refit.py and BENCHMARKS.md "Downstream refit"
-    fitted, result = _compressed_ppl(smollm2, Recipe(blocks=8, refit="none", calibration=config), calibration, windows)
+    fitted, result = _compressed_ppl(smollm2, Recipe(blocks=8, refit="none", calibration=config), calibration, windows,
+                                     cache)
     start = result.manifest["selection"]["start"]
     assert result.manifest["removed_blocks"] == list(range(start, start + 8))
     # the angular distance's span, 11-18: lstsq against plain removal of the same blocks
     # (on the issue's 40 windows: 300.7 vs 384.5, 0.78)
     angular, by_angle = _compressed_ppl(smollm2, Recipe(blocks=8, criterion="angular_last", refit="none", calibration=config),
-                                        calibration, windows)
+                                        calibration, windows, cache)
     assert by_angle.manifest["removed_blocks"] == list(range(11, 19))
     plain_model = copy.deepcopy(smollm2.model)
     remove_blocks(plain_model, get_adapter(plain_model), list(range(11, 19)))
@@ -103,19 +115,23 @@ def test_smollm2_lstsq_beats_plain_removal_and_the_default_span_beats_angular(sm
 
 
 @pytest.mark.slow
-def test_smollm2_issue_recipe_figures(smollm2):
+def test_smollm2_issue_recipe_figures(smollm2, smollm2_c4):
     """Issue #2: 8 of 30 blocks, first 128 c4_demo documents → 64 × 512 tokens, 40 windows; its
     reproduction figures on the packing they were defined on, the default selection's on today's."""
+    from blockfold.methods import PassCache
+
     config, calibration, windows = _setup(smollm2, 64, 512, 40, max_documents=128, **VERSION_2_PACKING)
+    version_2 = (config, calibration, PassCache())
     assert perplexity(smollm2.model, windows)["perplexity"] == pytest.approx(29.19, abs=0.05)
     # the issue-2 reproduction figures are plain ReplaceMe's (refit none)
-    fixed, result = _compressed_ppl(smollm2, Recipe(blocks=8, span_start=11, refit="none", calibration=config), calibration, windows)
+    fixed, result = _compressed_ppl(smollm2, Recipe(blocks=8, span_start=11, refit="none", calibration=config), calibration,
+                                    windows, version_2[2])
     assert fixed <= 305, f"lstsq on blocks 11-18 reaches {fixed:.1f}: the statistics are off"
-    angular, _ = _compressed_ppl(smollm2, Recipe(blocks=8, criterion="angular_last", refit="none", calibration=config), calibration, windows)
+    angular, _ = _compressed_ppl(smollm2, Recipe(blocks=8, criterion="angular_last", refit="none", calibration=config),
+                                 calibration, windows, version_2[2])
     assert angular <= fixed + 1e-6, "angular distance picks 11-18 (the reference's span)"
-    for packing in (VERSION_2_PACKING, {}):  # issue #5's target for the default selection, on both packings
-        config, calibration, _ = _setup(smollm2, 64, 512, 1, max_documents=128, **packing)
-        selected, result = _compressed_ppl(smollm2, Recipe(blocks=8, calibration=config), calibration, windows)
+    for config, calibration, cache in (version_2, smollm2_c4):  # issue #5's target for the default selection, on both packings
+        selected, result = _compressed_ppl(smollm2, Recipe(blocks=8, calibration=config), calibration, windows, cache)
         assert selected <= 110, f"default selection {result.manifest['removed_blocks']} reaches {selected:.1f} > 110"
 
 
@@ -145,10 +161,11 @@ def test_gemma3_compress_reload_generate(tmp_path):
 
 
 @pytest.mark.slow  # the issue's 64 x 512 calibration: 5-6 minutes on 2 cores
-def test_smollm2_nbl_beats_drop_attention_and_ships_its_modeling_code(smollm2, tmp_path):
+def test_smollm2_nbl_beats_drop_attention_and_ships_its_modeling_code(smollm2, smollm2_c4, tmp_path):
     """NBL on 4 of 30 attention layers against DROP's dropping of 4, from one calibration pass
     (the issue's 64 × 512 tokens: a 576×576 LMMSE map needs them), perplexity on 8 windows."""
-    config, calibration, windows = _setup(smollm2, num_sequences=64, sequence_length=512, windows=8, max_documents=128)
+    config, calibration, _ = smollm2_c4
+    windows = tokenize_windows(read_eval_text(shared_file("wikitext2_test.txt")), smollm2.tokenizer, 512, 8)
     observer = SublayerLinearity(30, "attention")
     stream(smollm2.model, calibration, [observer])
     statistics = observer.finalize()
@@ -192,15 +209,13 @@ def test_gemma3_nbl_four_attention_layers_end_to_end(tmp_path):
     _assert_reloads_and_generates_same(model, gemma.tokenizer, result.manifest, tmp_path, remote_code=True)
 
 
-@pytest.mark.slow  # one 64 x 512 calibration pass shared by four compressions: about 4 minutes on 2 cores
-def test_smollm2_spans_scored_by_lstsq_hold_for_constrained_maps_and_plain_removal(smollm2):
+@pytest.mark.extended  # one 64 x 512 calibration pass shared by four compressions: about 4 minutes on 2 cores
+def test_smollm2_spans_scored_by_lstsq_hold_for_constrained_maps_and_plain_removal(smollm2, smollm2_c4):
     """Issue #16 item 3: scored with their own maps under fit_error_stream, the diagonal map picks blocks
     1-8 (40 windows: 331.6) and plain removal 11-18 (384.5); scored with the lstsq map (recipe version 7)
     both take 12-19 (123.2 and 124.1)."""
-    from blockfold.methods import PassCache
-
-    config, calibration, windows = _setup(smollm2, 64, 512, 8, max_documents=128)
-    cache = PassCache()
+    config, calibration, cache = smollm2_c4
+    windows = tokenize_windows(read_eval_text(shared_file("wikitext2_test.txt")), smollm2.tokenizer, 512, 8)
     for estimator, own_start in (("diagonal", 1), ("identity", 11)):
         results = {}
         for scoring in ("lstsq", "estimator"):
@@ -213,7 +228,7 @@ def test_smollm2_spans_scored_by_lstsq_hold_for_constrained_maps_and_plain_remov
         assert results["lstsq"][1] < 0.5 * results["estimator"][1], results
 
 
-@pytest.mark.slow  # one 64 x 512 calibration pass, two candidate builds and the final one: about 4 minutes on 2 cores
+@pytest.mark.extended  # one 64 x 512 calibration pass, two candidate builds and the final one: about 4 minutes on 2 cores
 def test_gemma3_diagonal_map_keeps_its_own_span_when_the_scorings_are_compared():
     """Issue #16 item 3 on Gemma-3-270m, 4 of 18 blocks, fit_error: the lstsq map's scores pick 5-8,
     where the diagonal map reaches held-out WikiText-2 8014.8; its own scores pick 8-11 (402.8).
@@ -230,21 +245,20 @@ def test_gemma3_diagonal_map_keeps_its_own_span_when_the_scorings_are_compared()
     assert losses["the lstsq map"] > losses["the diagonal map"] + 1.0, losses
 
 
-@pytest.mark.slow  # five builds (auto's three and its final one, one span) on the 64 x 512 calibration: 13 minutes on 2 cores
-def test_smollm2_spans_auto_takes_two_spans_at_12_blocks(smollm2):
+@pytest.mark.extended  # five builds (auto's three and its final one, one span) on the 64 x 512 calibration: 13 minutes on 2 cores
+def test_smollm2_spans_auto_takes_two_spans_at_12_blocks(smollm2, smollm2_c4):
     """At 12 of 30 blocks two spans (1-6, 12-17) beat the single span 2.5 times on held-out WikiText-2,
     while the spans' summed score prefers the single span (BENCHMARKS.md, "The 2024-26 methods");
     --spans auto must see it through the loss on its held-out calibration sequences, and the model it
     keeps must be the better one on text it was not chosen on. (At 8 blocks it kept the single span,
     12-19, when this test also ran that search at 1ab5b38; with it the test took 28 minutes on 2 cores,
     so the 8-block search is left to the benchmark: `bench/results/spans_auto_8.json`, BENCHMARKS.md
-    "How many spans", kept the single span again at 724a7e1.)"""
-    from blockfold.methods import PassCache
-
-    config, calibration, _ = _setup(smollm2, 64, 512, 1, max_documents=128)
+    "How many spans", kept the single span again at 724a7e1.) The figure needs the 64 × 512 calibration:
+    on 32 × 512 the search kept three spans (1-4, 12-15, 24-27) at held-out 294.6 against the single
+    span's 455.8, 0.65 of it (c4dc0fc)."""
+    config, calibration, cache = smollm2_c4
     text = read_eval_text(shared_file("wikitext2_test.txt"))
     held_out = tokenize_windows(text, smollm2.tokenizer, 512, 60)[40:]  # windows 40-59, as the benchmarks hold out
-    cache = PassCache()
     auto_model = copy.deepcopy(smollm2.model)  # first: its pass measures the lengths of every count
     auto = blockfold.compress(auto_model, smollm2.tokenizer, Recipe(blocks=12, spans="auto", calibration=config),
                               calibration=calibration, cache=cache)
