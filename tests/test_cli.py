@@ -387,3 +387,11 @@ def test_the_card_names_a_gguf_sources_license(tmp_path):
     (tmp_path / "blockfold_source.json").write_text(json.dumps({"gguf": str(gguf_file)}))
     assert source_license(tmp_path) == "apache-2.0"
     assert source_license(tmp_path / "absent") is None
+
+
+def test_help_imports_neither_torch_nor_transformers():
+    """``blockfold --help`` of every command stays well under a second: no heavy library on the way in."""
+    probe = ("import sys; from blockfold.cli import build_parser; build_parser(); import blockfold.export; "
+             "print(sorted({'torch', 'transformers', 'numpy'} & set(sys.modules)))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]", done.stdout + done.stderr

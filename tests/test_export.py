@@ -266,9 +266,9 @@ def _bpe_folder(tmp_path: Path, pre_tokenizer, name: str = "bpe") -> Path:
 def test_pre_tokenizer_is_named_from_tokenizer_json(tmp_path):
     from tokenizers import Regex, pre_tokenizers
 
-    from blockfold.export.gguf_metadata import _SPLIT_REGEX_PRE
+    from blockfold.export.choices import SPLIT_REGEX_PRE
 
-    llama3 = next(regex for regex, name in _SPLIT_REGEX_PRE.items() if name == "llama-bpe")
+    llama3 = next(regex for regex, name in SPLIT_REGEX_PRE.items() if name == "llama-bpe")
     cases = {
         "gpt-2": pre_tokenizers.ByteLevel(add_prefix_space=False),
         "smollm": pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),

@@ -1,14 +1,36 @@
-"""blockfold: training-free depth compression of transformer LMs with fitted linear maps."""
+"""blockfold: training-free depth compression of transformer LMs with fitted linear maps.
+
+The public names load on first use, so ``blockfold --help`` and ``import blockfold.runtime`` do not
+import transformers.
+"""
+
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.2.0"
 
-from blockfold.api import CompressionResult, compress, evaluate, heal, open_model, save  # noqa: E402
-from blockfold.errors import BlockfoldError  # noqa: E402
-from blockfold.models import ModelHandle, load_model  # noqa: E402
-from blockfold.recipe import CalibrationConfig, Recipe  # noqa: E402
-from blockfold.runtime import Execution  # noqa: E402
-from blockfold.settings import NBL, SLEB, UIDL, DropAttention, DropBlock, LaCo, LinearPatch, NBLBlock, PruneComp, ReplaceMe, Streamline  # noqa: E402
+#: public name → the module that defines it
+_EXPORTS = {
+    **dict.fromkeys(("CompressionResult", "compress", "evaluate", "heal", "open_model", "save"), "blockfold.api"),
+    "BlockfoldError": "blockfold.errors",
+    **dict.fromkeys(("ModelHandle", "load_model"), "blockfold.models"),
+    **dict.fromkeys(("CalibrationConfig", "Recipe"), "blockfold.recipe"),
+    "Execution": "blockfold.runtime",
+    **dict.fromkeys(("NBL", "SLEB", "UIDL", "DropAttention", "DropBlock", "LaCo", "LinearPatch", "NBLBlock", "PruneComp",
+                     "ReplaceMe", "Streamline"), "blockfold.settings"),
+}
 
-__all__ = ["NBL", "SLEB", "UIDL", "BlockfoldError", "CalibrationConfig", "CompressionResult", "DropAttention",
-           "DropBlock", "Execution", "LaCo", "LinearPatch", "ModelHandle", "NBLBlock", "PruneComp", "Recipe", "ReplaceMe", "Streamline", "__version__", "compress", "evaluate",
-           "heal", "load_model", "open_model", "save"]
+__all__ = sorted([*_EXPORTS, "__version__"])
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'blockfold' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

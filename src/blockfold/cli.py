@@ -314,16 +314,14 @@ def _add_report(sub) -> None:
 
 
 def _add_export(sub) -> None:
-    from blockfold.export import QUANT_TYPES, SOURCE
-    from blockfold.export.gguf_metadata import PRE_TOKENIZERS
-    from blockfold.export.kquants import K_FILE_TYPES
+    from blockfold.export.choices import K_FILE_TYPE_NAMES, PRE_TOKENIZERS, QUANT_TYPE_NAMES, SOURCE
 
     p = sub.add_parser("export", help="write a model (e.g. a compress output) as a GGUF file for llama.cpp")
     p.add_argument("model", help="folder written by compress, a HF folder, a .gguf file or a built-in name")
     p.add_argument("out", help="the .gguf file to write")
     p.add_argument("--format", choices=["gguf"], default="gguf", help="output format (llama.cpp's GGUF)")
     p.add_argument("--quant", default="f16", metavar="TYPE",
-                   help=f"tensor type: {', '.join(QUANT_TYPES)}; a K-quant file type ({', '.join(K_FILE_TYPES)}: "
+                   help=f"tensor type: {', '.join(QUANT_TYPE_NAMES)}; a K-quant file type ({', '.join(K_FILE_TYPE_NAMES)}: "
                         f"llama-quantize's type per tensor); or '{SOURCE}': the source GGUF's type per tensor, "
                         "copying every tensor compression left unchanged byte for byte (the round trip of a quantized "
                         "GGUF; the source's own file type, e.g. q4_k_m for a Q4_K_M source, means the same)")
@@ -662,7 +660,7 @@ def cmd_sweep(args) -> int:
 
 def cmd_export(args) -> int:
     from blockfold.export import export_gguf
-    from blockfold.export.gguf_metadata import PRE_TOKENIZERS
+    from blockfold.export.choices import PRE_TOKENIZERS
     from blockfold.models.sources import resolve_model_path
 
     folder = resolve_model_path(args.model)

@@ -42,6 +42,7 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig
 
 from blockfold.errors import BlockfoldError
+from blockfold.export.choices import QUANT_TYPE_NAMES, SOURCE
 from blockfold.export.gguf_metadata import config_metadata, llama3_rope_factors, tokenizer_metadata
 from blockfold.export.kquants import K_FILE_TYPES, k_quant_type, quantize_k
 from blockfold.models.checkpoint import CheckpointReader
@@ -52,12 +53,7 @@ log = logging.getLogger(__name__)
 Q = GGMLQuantizationType
 
 #: ``--quant`` names a uniform export can write (the ``gguf`` package quantizes these itself)
-QUANT_TYPES: dict[str, GGMLQuantizationType] = {
-    "f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0,
-    "q4_0": Q.Q4_0, "q4_1": Q.Q4_1, "q5_0": Q.Q5_0, "q5_1": Q.Q5_1,
-}
-#: keep the source GGUF's type per tensor (only for models that came from a GGUF file)
-SOURCE = "source"
+QUANT_TYPES: dict[str, GGMLQuantizationType] = {name: GGMLQuantizationType[name.upper()] for name in QUANT_TYPE_NAMES}
 _FILE_TYPES = {Q.F32: LlamaFileType.ALL_F32, Q.F16: LlamaFileType.MOSTLY_F16, Q.BF16: LlamaFileType.MOSTLY_BF16,
                Q.Q8_0: LlamaFileType.MOSTLY_Q8_0, Q.Q4_0: LlamaFileType.MOSTLY_Q4_0,
                Q.Q4_1: LlamaFileType.MOSTLY_Q4_1, Q.Q5_0: LlamaFileType.MOSTLY_Q5_0,

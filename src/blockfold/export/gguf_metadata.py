@@ -27,21 +27,11 @@ from gguf import GGML_QUANT_VERSION, GGUFValueType, Keys, RopeScalingType, Token
 from transformers import AutoTokenizer
 
 from blockfold.errors import BlockfoldError
+from blockfold.export.choices import PRE_TOKENIZERS, SPLIT_REGEX_PRE
 
 V = GGUFValueType
 Field = tuple[str, object, GGUFValueType, "GGUFValueType | None"]
 
-#: the pre-tokenizer split rules llama.cpp implements, by the name a GGUF file gives them, as the
-#: ``Split`` regex a tokenizer.json declares for them (followed by a byte-level step without regex)
-_SPLIT_REGEX_PRE = {
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+":
-        "llama-bpe",
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+":
-        "qwen2",
-}
-#: names ``--tokenizer-pre`` accepts: the split rules above, GPT-2's own regex, and GPT-2's regex
-#: after every digit is split off (SmolLM, StarCoder)
-PRE_TOKENIZERS = ("gpt-2", "smollm", *_SPLIT_REGEX_PRE.values())
 _BYTE_TOKEN = re.compile(r"^<0x[0-9A-Fa-f]{2}>$")
 
 
@@ -232,8 +222,8 @@ def _pre_tokenizer(spec: dict, folder: Path) -> str:
         return "smollm"
     if kinds == ["Split", "ByteLevel"] and not steps[1].get("use_regex", True):
         regex = (steps[0].get("pattern") or {}).get("Regex")
-        if regex in _SPLIT_REGEX_PRE:
-            return _SPLIT_REGEX_PRE[regex]
+        if regex in SPLIT_REGEX_PRE:
+            return SPLIT_REGEX_PRE[regex]
     raise BlockfoldError(f"{folder}: llama.cpp has no pre-tokenizer blockfold can match to this tokenizer's "
                          f"({json.dumps(pre)[:300]}): pass --tokenizer-pre with llama.cpp's name for it "
                          f"(blockfold knows {', '.join(PRE_TOKENIZERS)})")

@@ -20,17 +20,15 @@ from gguf import GGMLQuantizationType, LlamaFileType
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import quant_shape_to_byte_shape
 
+from blockfold.export.choices import K_FILE_TYPE_NAMES
+
 log = logging.getLogger(__name__)
 
 Q = GGMLQuantizationType
 QK_K = 256  # values per super-block, the unit of every K-quant type
 
 #: the K-quant file types blockfold writes, by their ``llama-quantize`` names
-K_FILE_TYPES: dict[str, LlamaFileType] = {
-    "q4_k_m": LlamaFileType.MOSTLY_Q4_K_M, "q4_k_s": LlamaFileType.MOSTLY_Q4_K_S,
-    "q5_k_m": LlamaFileType.MOSTLY_Q5_K_M, "q5_k_s": LlamaFileType.MOSTLY_Q5_K_S,
-    "q6_k": LlamaFileType.MOSTLY_Q6_K,
-}
+K_FILE_TYPES: dict[str, LlamaFileType] = {name: LlamaFileType[f"MOSTLY_{name.upper()}"] for name in K_FILE_TYPE_NAMES}
 _DEFAULT_TYPE = {"q4_k_m": Q.Q4_K, "q4_k_s": Q.Q4_K, "q5_k_m": Q.Q5_K, "q5_k_s": Q.Q5_K, "q6_k": Q.Q6_K}
 #: what llama.cpp writes instead where a row is not a whole number of 256-value super-blocks
 _FALLBACK = {Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0}
