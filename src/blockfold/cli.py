@@ -10,7 +10,6 @@ import signal
 import sys
 import threading
 import time
-import warnings
 from pathlib import Path
 
 from blockfold.errors import BlockfoldError
@@ -769,7 +768,6 @@ class _StderrHandler(logging.Handler):
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    warnings.simplefilter("default")
     _log_to_stderr()
     # a terminated run unwinds like an interrupted one, so its staging folder is removed
     if threading.current_thread() is threading.main_thread():

@@ -7,6 +7,7 @@ after a warm-up, and the median of several repetitions is kept; compare models b
 
 from __future__ import annotations
 
+import inspect
 import statistics
 import time
 
@@ -29,6 +30,13 @@ def _tokens(model: PreTrainedModel, length: int, batch: int = 1, seed: int = 0) 
     return ids.to(next(model.parameters()).device)
 
 
+def _passing(model: PreTrainedModel, cache: DynamicCache) -> dict:
+    """``cache`` under the keyword ``model.forward`` takes: ``cache`` since transformers 5.22 (where
+    ``past_key_values`` still works but warns), ``past_key_values`` before."""
+    keyword = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return {keyword: cache}
+
+
 def _synchronize(model: PreTrainedModel) -> None:
     if next(model.parameters()).is_cuda:
         torch.cuda.synchronize()
@@ -39,7 +47,7 @@ def kv_cache_bytes_per_layer(model: PreTrainedModel, length: int, batch: int = 1
     """Bytes each layer's slot of the default (dynamic) KV cache holds after ``length`` prompt tokens
     (sliding-window layers hold at most their window)."""
     cache = DynamicCache(config=model.config)
-    model(_tokens(model, length, batch), past_key_values=cache, use_cache=True, logits_to_keep=1)
+    model(_tokens(model, length, batch), **_passing(model, cache), use_cache=True, logits_to_keep=1)
     return [sum(tensor.numel() * tensor.element_size()
                 for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None))
                 if isinstance(tensor, torch.Tensor))
@@ -64,12 +72,12 @@ def prefill_seconds(model: PreTrainedModel, length: int) -> float:
 def decode_seconds(model: PreTrainedModel, prompt_length: int, new_tokens: int) -> float:
     """Seconds for ``new_tokens`` greedy one-token steps after a prompt, prefill excluded."""
     cache = DynamicCache(config=model.config)
-    logits = model(_tokens(model, prompt_length), past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+    logits = model(_tokens(model, prompt_length), **_passing(model, cache), use_cache=True, logits_to_keep=1).logits
     _synchronize(model)
     started = time.perf_counter()
     for _ in range(new_tokens):
         token = logits[:, -1:].argmax(-1)
-        logits = model(token, past_key_values=cache, use_cache=True).logits
+        logits = model(token, **_passing(model, cache), use_cache=True).logits
     _synchronize(model)
     return time.perf_counter() - started
 

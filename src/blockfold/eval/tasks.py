@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import logging
 import math
 import os
 from contextlib import contextmanager
@@ -156,6 +157,24 @@ def _bootstrap_in_process():
             os.environ["DISABLE_MULTIPROC"] = before
 
 
+#: lm-eval's warning for a model given as an object, which is how blockfold always gives it (its
+#: advice, not to launch through accelerate or parallelize, does not apply)
+IN_MEMORY_MODEL_WARNING = "`pretrained` model kwarg is not of type `str`"
+
+
+@contextmanager
+def _without_record(logger: logging.Logger, prefix: str):
+    """Drop ``logger``'s records that start with ``prefix`` while the block runs; the rest pass."""
+    def keep(record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(prefix)
+
+    logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        logger.removeFilter(keep)
+
+
 def evaluate_tasks(model, tokenizer, names: list[str], limit: int | None = None, fewshot: int = 0,
                    batch_size: int = 8, data: str = "offline", data_dir: Path = DATA_DIR) -> dict[str, dict]:
     """``{task: {"metrics": {metric: value}, "stderr": {metric: se}, "samples": n, "split": ...}}``."""
@@ -164,7 +183,8 @@ def evaluate_tasks(model, tokenizer, names: list[str], limit: int | None = None,
     from lm_eval.models.huggingface import HFLM
 
     configs = task_configs(names, data, data_dir)
-    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
+    with _without_record(logging.getLogger("lm_eval.models.huggingface"), IN_MEMORY_MODEL_WARNING):
+        lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
     results = {}
     for name, task_list in configs.items():
         tasks = [ConfigurableTask(config=config) for config in task_list]
