@@ -3,8 +3,9 @@
 A setting lives on the methods that use it and nowhere else, so a value a method would ignore is a
 validation error instead of a silent no-op (``estimator`` on NBL, ``linearity_criterion`` on
 ReplaceMe). Defaults are resolved here, at construction, so a saved recipe holds the values that
-ran and replays the same run after a default changes. This module imports nothing of the methods'
-code: the recipe validates against it without pulling in the engine.
+ran and replays the same run after a default changes. Why each default is what it is, with the
+figures, is docs/defaults.md. This module imports nothing of the methods' code: the recipe validates
+against it without pulling in the engine.
 
 In the Python API the classes are also the one verb's configuration (torchao-style):
 ``blockfold.compress(model, blockfold.ReplaceMe(blocks=8))``.
@@ -127,75 +128,33 @@ class ReplaceMe(SpanSelection):
 
     method: ClassVar[str] = "replaceme"
     runs_on_images: ClassVar[bool] = True
-    # auto: compress with each of AUTO_SPAN_COUNTS spans (those whose selection differs) on a copy of
-    # the model, fitted without an eighth of the calibration sequences, and keep the count whose
-    # compressed model has the lowest next-token loss on those. No span score compares shapes: at 12 of 30 blocks of SmolLM2-135M two spans
-    # reached 2.5x lower held-out perplexity than one, with six times its summed fit error
-    # (BENCHMARKS.md, "The 2024-26 methods")
+    # auto: build each of AUTO_SPAN_COUNTS and keep the lowest held-out calibration loss
     spans: Annotated[int, Field(ge=1)] | Literal["auto"] = 1
 
-    # span selection (select/spans.py): the fitted map's relative error, the criterion whose span was
-    # best or tied at every budget checked on held-out text (SmolLM2-135M 4, 8, 12 blocks; Gemma-3-270m 4);
-    # fit_error_stream, the default before recipe version 5, picked 1.4-1.9x worse spans at 12 and on Gemma
-    # (BENCHMARKS.md "Defaults on held-out data")
+    # how candidate spans are scored (select/spans.py)
     criterion: SpanCriterion = "fit_error"
     # greedy: one block per round, wherever it is, the one whose removal after its own map loses least
     greedy: bool = False
-    # the map (estimate/): closed form from the streamed normal equations, or cosine (numerical, from
-    # the lstsq start); identity = plain removal
+    # the map (estimate/): closed form, cosine (numerical), or identity (plain removal)
     estimator: Literal["lstsq", "diagonal", "orthogonal", "lowrank", "cosine", "identity"] = "lstsq"
-    # the map the fit criteria score each candidate span with: lstsq (recipe version 7), the unconstrained
-    # map whatever is folded (plain removal too), or the estimator's own (version 6 and older). Scored by
-    # their own maps with fit_error_stream, diagonal picked blocks 1-8 of SmolLM2-135M (331.6) and plain
-    # removal 11-18 (384.5), where lstsq's span 12-19 gives them 123.2 and 124.1; lstsq scoring picked the
-    # same span or a better one for every estimator and both fit criteria, on the chosen and held-out
-    # texts (BENCHMARKS.md "Selection across estimators"). On Gemma-3-270m at 4 of 18 blocks lstsq's span
-    # (5-8) gave the diagonal map held-out WikiText-2 perplexity 8014.8 where its own span (8-11) gives
-    # 402.8, so neither holds for every model: compare (recipe version 12's default for one span) builds
-    # both spans where they differ, fitted without an eighth of the calibration sequences, and keeps the
-    # lower loss on those sequences. In 7 of the 8 disagreements on the two models it kept the span better
-    # on every held-out text; in the eighth, the one better on C4 (the calibration's domain) and worse on
-    # WikiText-2 and LAMBADA. The lstsq estimator's own map is lstsq's, so its selection is unchanged and
-    # costs nothing more. Several spans and greedy: lstsq
+    # which map scores the spans: lstsq, the estimator's own, or compare (build both, keep the better)
     span_scoring: Literal["lstsq", "estimator", "compare"] | None = None
     rank: int | None = Field(None, ge=1)  # lowrank: rank of the correction to the identity (default 32)
-    ridge_alpha: float = Field(0.0, ge=0)  # L2 penalty per calibration token (as NBL's; version 2: in total)
-    # blocks with a norm after the MLP (Gemma): which foldable form of the map (docs/gemma.md); auto
-    # folds linearized-norm (through-norm where that fit is not finite), compare fits both and keeps
-    # the lower loss on held-out calibration tokens
+    ridge_alpha: float = Field(0.0, ge=0)  # L2 penalty per calibration token
+    # blocks with a norm after the MLP (Gemma): which foldable form of the map (docs/gemma.md)
     sandwich_fold: Literal["auto", "compare", "linearized-norm", "through-norm"] = "auto"
     cosine: CosineConfig = Field(default_factory=CosineConfig)
-    # after the surgery, refit the down-projections of the block before each span and the blocks after
-    # it so that each block's output on the compressed model's inputs matches the original stream at its
-    # depth (methods/refit.py): down (recipe version 8's default with the lstsq map; none with greedy and
-    # with the other estimators, whose constraint a refit would undo) or none, plain ReplaceMe. On SmolLM2-135M at 8 of 30 blocks (issue-2 calibration)
-    # refitting 2 blocks per span took WikiText-2 perplexity 102.6 -> 95.0 and held-out text 8-10 %
-    # lower; refitting every later block was worse than none on WikiText-2 (BENCHMARKS.md "Downstream refit").
-    # attn+down refits each block's attention output projection first (to the original stream after
-    # the attention half), then its down-projection
-    # all (recipe version 10's default, 3 blocks): also the attention output and the projections that read
-    # each sublayer's normed input (q, k, v; gate, up), fitted so that on the compressed stream they compute
-    # what the original block computed on its own. At 8 blocks it took held-out WikiText-2 89.4 -> 80.4
-    # (C4 -5.5 %, LAMBADA -4.5 %) against down; 3 blocks chosen on WikiText-2 windows 0-39 among 2, 3, 4
+    # refit the projections of the blocks from the one before each span (methods/refit.py)
     refit: Literal["none", "down", "attn+down", "all"] | None = None
-    # how many blocks per span, from the one before it (default 3 with all, 2 otherwise; a number past the
-    # last block refits every later one)
+    # blocks refitted per span, from the one before it (a number past the last block: every later one)
     refit_blocks: int | None = Field(None, ge=1)
     # ridge toward the current weight, relative to the mean of diag(aᵀa) of the projection's inputs
     refit_ridge: float = Field(1e-2, ge=0)
-    # each token's squared error as it is (none) or relative to the original stream's energy there (stream)
+    # each token's squared error as it is (none) or relative to the original stream's energy (stream)
     refit_weighting: Literal["none", "stream"] = "none"
-    # the refit of the block before each span also fits one scalar on the rest of the stream it writes
-    # (the span's magnitude gap, Prune&Comp's compensation fitted jointly with the weight, in closed
-    # form), folded as 1/scale into the writes of every later block: exact under scale-invariant norms.
-    # Default with a refit since recipe version 9: on SmolLM2-135M it lowered every text at 4, 8 and
-    # 12 blocks, held-out WikiText-2 2.3 % at 8 and 6.0 % at 12 (BENCHMARKS.md "Downstream refit")
+    # also fit one scalar for the span's magnitude gap, folded into every later block's writes
     refit_scale: bool | None = None
-    # with refit all, blocks whose MLP output passes a norm (Gemma's sandwich blocks), whose outputs
-    # cannot be refitted, still have the projections that read their normed inputs corrected. Default
-    # with refit all since recipe version 11: on Gemma-3-270m it lowered every text at 6 and 8 of 18 blocks
-    # (held-out WikiText-2 -9.5 % and -12.5 %, C4 -9.3 % and -17.3 %) and was level at 4 (held-out
-    # WikiText-2 -1.5 %, C4 +0.4 %; BENCHMARKS.md "Downstream refit"); it changes nothing elsewhere
+    # with refit all, correct the input projections of sandwich blocks whose outputs cannot be refitted
     refit_sandwich: bool | None = None
 
     @model_validator(mode="after")
@@ -249,7 +208,7 @@ class UIDL(SpanSelection):
     method: ClassVar[str] = "uidl"
     runs_on_images: ClassVar[bool] = True
     criterion: SpanCriterion = "angular_last"
-    # with a fit criterion, what scores each span: lstsq (version 7) or the identity's own error (as ReplaceMe's)
+    # with a fit criterion, what scores each span: lstsq or the identity's own error
     span_scoring: Literal["lstsq", "estimator"] = "lstsq"
 
 
@@ -258,11 +217,7 @@ class NBL(AttentionBudget):
 
     method: ClassVar[str] = "nbl"
     writes_standard_checkpoint: ClassVar[bool] = False
-    # auto (recipe version 6) ranks by nmse where attention's output passes a norm before the residual
-    # add (Gemma's sandwich blocks) and by cosine (DROP's ranking) elsewhere: on held-out text cosine
-    # was best on SmolLM2-135M at 4, 8 and 12 layers and loses on Gemma-3-270m, where nmse is within
-    # 1.00-1.21x of the best ranking (cca and stream compete; one sandwich model cannot decide between
-    # them). BENCHMARKS.md "Defaults on data they were not chosen on". cca is the NBL paper's ranking.
+    # auto: nmse where attention's output passes a norm (sandwich blocks), cosine elsewhere
     linearity_criterion: LinearityCriterion | Literal["auto"] = "auto"
     greedy: bool = False  # recompute the statistics after each replacement (k passes)
     ridge_alpha: float = Field(0.0, ge=0)
@@ -279,7 +234,6 @@ class NBLBlock(BlockBudget):
 
     method: ClassVar[str] = "nbl-block"
     writes_standard_checkpoint: ClassVar[bool] = False
-    # cosine measured best on SmolLM2-135M at 8 blocks; not yet measured on a sandwich-norm model
     linearity_criterion: LinearityCriterion = "cosine"
     greedy: bool = False
     ridge_alpha: float = Field(0.0, ge=0)
