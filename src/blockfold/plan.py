@@ -191,10 +191,10 @@ def plan_for(spec: str, recipe: Recipe, execution: Execution, accelerator_memory
                          f"{'copy of the weights' if pipeline == 'whole' else 'skeleton over the checkpoint'}), "
                          "each fitted without an eighth of the calibration and scored with one pass of its loss on it, then the chosen count's model built "
                          "again in place (counted at most: touching spans build one model once)")
-    elif recipe.method in ("nbl", "nbl-block", "drop-attn"):
+    elif settings.ranks_sublayers is not None:
         count = (settings.num_attention_layers(num_layers) if isinstance(settings, AttentionBudget)
                  else settings.num_blocks(num_layers))
-        target = "block" if recipe.method == "nbl-block" else "attention"
+        target = settings.ranks_sublayers
         per_layer = SublayerLinearity.sums_bytes_for(1, d)
         observers.append(SublayerLinearity(num_layers, target))
         criterion = settings.resolved_criterion(adapter) if hasattr(settings, "resolved_criterion") else "cosine"

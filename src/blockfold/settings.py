@@ -38,19 +38,34 @@ class CosineConfig(Strict):
 
 
 class MethodSettings(Strict):
-    """What one method needs besides the model and the calibration data."""
+    """What one method needs besides the model and the calibration data, and the method's entry in
+    the registry (``SETTINGS``): its name, the function that runs it and what it can run on. The CLI,
+    the API, sweep and the composition matrix read methods from here; nothing else lists them."""
 
     method: ClassVar[str]
+    #: ``module:function`` of the method's code (imported when the method runs, not with the settings)
+    runner: ClassVar[str]
     #: False where the output replaces sublayers by linear modules and ships their modeling code
     writes_standard_checkpoint: ClassVar[bool] = True
     #: True where the method needs only hidden states, so it runs on image encoders too
     runs_on_images: ClassVar[bool] = False
+    #: the sublayers the method ranks by their linearity statistics ("attention" or "block"), or None
+    ranks_sublayers: ClassVar[str | None] = None
     #: flag names of the CLI for the fields, where they differ from ``--field-name``
     flags: ClassVar[dict[str, str]] = {"attention_layers": "--attn", "cosine": "--cosine-*"}
 
     @classmethod
     def flag_names(cls) -> list[str]:
         return [cls.flags.get(name, "--" + name.replace("_", "-")) for name in cls.model_fields]
+
+    @classmethod
+    def summary(cls) -> str:
+        """One line on what the method does: the first line of its settings class's docstring."""
+        return " ".join((cls.__doc__ or "").strip().split("\n\n")[0].split()).replace("``", "")
+
+    def describe(self, selection: dict) -> str:
+        """What to add after the method's name in compress's summary (its map, its ranking), or ``""``."""
+        return ""
 
 
 class BlockBudget(MethodSettings):
@@ -127,6 +142,7 @@ class ReplaceMe(SpanSelection):
     """Remove the span a linear map replaces best and fold the map into the block before it."""
 
     method: ClassVar[str] = "replaceme"
+    runner: ClassVar[str] = "blockfold.methods.replaceme:compress_replaceme"
     runs_on_images: ClassVar[bool] = True
     # auto: build each of AUTO_SPAN_COUNTS and keep the lowest held-out calibration loss
     spans: Annotated[int, Field(ge=1)] | Literal["auto"] = 1
@@ -156,6 +172,9 @@ class ReplaceMe(SpanSelection):
     refit_scale: bool | None = None
     # with refit all, correct the input projections of sandwich blocks whose outputs cannot be refitted
     refit_sandwich: bool | None = None
+
+    def describe(self, selection: dict) -> str:
+        return f" / {self.estimator}" + (f" (rank {self.rank})" if self.rank else "")
 
     @model_validator(mode="after")
     def _consistent(self):
@@ -206,6 +225,7 @@ class UIDL(SpanSelection):
     """The span of least angular distance (or ``criterion``), removed with no map (UIDL / ShortGPT)."""
 
     method: ClassVar[str] = "uidl"
+    runner: ClassVar[str] = "blockfold.methods.baselines:compress_uidl"
     runs_on_images: ClassVar[bool] = True
     criterion: SpanCriterion = "angular_last"
     # with a fit criterion, what scores each span: lstsq or the identity's own error
@@ -216,11 +236,16 @@ class NBL(AttentionBudget):
     """Replace the most linear attention sublayers by their LMMSE maps (no KV cache for them)."""
 
     method: ClassVar[str] = "nbl"
+    runner: ClassVar[str] = "blockfold.methods.nbl:compress_nbl"
+    ranks_sublayers: ClassVar[str | None] = "attention"
     writes_standard_checkpoint: ClassVar[bool] = False
     # auto: nmse where attention's output passes a norm (sandwich blocks), cosine elsewhere
     linearity_criterion: LinearityCriterion | Literal["auto"] = "auto"
     greedy: bool = False  # recompute the statistics after each replacement (k passes)
     ridge_alpha: float = Field(0.0, ge=0)
+
+    def describe(self, selection: dict) -> str:
+        return f" / {selection['criterion']}"
 
     def resolved_criterion(self, adapter) -> LinearityCriterion:
         """The ranking that runs on an architecture (``adapter``): ``auto``'s rule, or the one named."""
@@ -233,10 +258,15 @@ class NBLBlock(BlockBudget):
     """Replace the most linear whole blocks by their LMMSE maps."""
 
     method: ClassVar[str] = "nbl-block"
+    runner: ClassVar[str] = "blockfold.methods.nbl:compress_nbl_block"
+    ranks_sublayers: ClassVar[str | None] = "block"
     writes_standard_checkpoint: ClassVar[bool] = False
     linearity_criterion: LinearityCriterion = "cosine"
     greedy: bool = False
     ridge_alpha: float = Field(0.0, ge=0)
+
+    def describe(self, selection: dict) -> str:
+        return f" / {selection['criterion']}"
 
     def resolved_criterion(self, adapter) -> LinearityCriterion:
         return self.linearity_criterion
@@ -246,6 +276,8 @@ class DropAttention(AttentionBudget):
     """DROP: the attention sublayers whose residual input and output are most alike, dropped."""
 
     method: ClassVar[str] = "drop-attn"
+    runner: ClassVar[str] = "blockfold.methods.nbl:compress_drop_attention"
+    ranks_sublayers: ClassVar[str | None] = "attention"
     writes_standard_checkpoint: ClassVar[bool] = False
     greedy: bool = False
 
@@ -254,6 +286,7 @@ class DropBlock(BlockBudget):
     """DROP: the blocks whose output is most like their input, wherever they are, dropped."""
 
     method: ClassVar[str] = "drop-block"
+    runner: ClassVar[str] = "blockfold.methods.baselines:compress_drop_blocks"
     runs_on_images: ClassVar[bool] = True
 
 
@@ -261,6 +294,7 @@ class SLEB(BlockBudget):
     """SLEB: remove blocks one at a time, each time the one whose removal raises calibration perplexity least."""
 
     method: ClassVar[str] = "sleb"
+    runner: ClassVar[str] = "blockfold.methods.sleb:compress_sleb"
 
 
 class PruneComp(BlockBudget):
@@ -268,6 +302,7 @@ class PruneComp(BlockBudget):
     and compensate the magnitude each leaves missing with a scalar folded into existing weights."""
 
     method: ClassVar[str] = "prune-comp"
+    runner: ClassVar[str] = "blockfold.methods.prune_comp:compress_prune_comp"
     # block_influence: 1 − mean cos(h_in, h_out) per block (the paper's CosSim(BI) example);
     # perplexity: calibration perplexity with the block skipped (its PPL metric, SLEB's)
     importance: Literal["block_influence", "perplexity"] = "block_influence"
@@ -279,6 +314,7 @@ class LaCo(BlockBudget):
     from them), where the collapse keeps the last block's output most like the original model's."""
 
     method: ClassVar[str] = "laco"
+    runner: ClassVar[str] = "blockfold.methods.laco:compress_laco"
     merge_layers: int = Field(4, ge=2)  # blocks collapsed into one per merge (the paper's C = 4)
     # calibration sequences the similarity is measured on (the paper's few sentences)
     similarity_sequences: int = Field(8, ge=1)
@@ -289,6 +325,7 @@ class LinearPatch(BlockBudget):
     stream in its place (a linear block: not a standard checkpoint, the modeling code ships with it)."""
 
     method: ClassVar[str] = "linear-patch"
+    runner: ClassVar[str] = "blockfold.methods.linear_patch:compress_linear_patch"
     writes_standard_checkpoint: ClassVar[bool] = False
     # the paper's selection: the span of highest mean cosine between its input and output
     criterion: Literal["block_influence", "angular_all", "angular_last"] = "block_influence"
@@ -309,14 +346,21 @@ class Streamline(BlockBudget):
     trained by MSE on calibration activations to output what the span did (a standard checkpoint)."""
 
     method: ClassVar[str] = "streamline"
+    runner: ClassVar[str] = "blockfold.methods.streamline:compress_streamline"
     # the paper's selection: the span of highest mean cosine between its input and output
     criterion: Literal["block_influence", "angular_all", "angular_last"] = "block_influence"
     train_steps: int = Field(200, ge=0)  # Adam steps, one calibration batch each; 0: the span's first block as is
     learning_rate: float = Field(1e-4, gt=0)
 
 
-#: method name → its settings class
+#: the registry: method name → its settings class (the first is the default method)
 SETTINGS: dict[str, type[MethodSettings]] = {
     cls.method: cls for cls in (ReplaceMe, UIDL, NBL, NBLBlock, DropAttention, DropBlock, SLEB, PruneComp, LaCo,
                                 LinearPatch, Streamline)
 }
+DEFAULT_METHOD = next(iter(SETTINGS))
+
+
+def methods_where(predicate) -> list[str]:
+    """Names of the registered methods whose settings class satisfies ``predicate`` (in registry order)."""
+    return [name for name, cls in SETTINGS.items() if predicate(cls)]

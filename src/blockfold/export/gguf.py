@@ -44,6 +44,7 @@ from transformers import AutoConfig
 from blockfold.errors import BlockfoldError
 from blockfold.export.choices import QUANT_TYPE_NAMES, SOURCE
 from blockfold.export.gguf_metadata import config_metadata, llama3_rope_factors, tokenizer_metadata
+from blockfold.settings import methods_where
 from blockfold.export.kquants import K_FILE_TYPES, k_quant_type, quantize_k
 from blockfold.models.checkpoint import CheckpointReader
 from blockfold.surgery.card import source_license
@@ -149,8 +150,8 @@ def _plan(model: Path, quant: str, tokenizer_pre: str | None = None) -> _Plan:
     if model_type.startswith("blockfold_"):
         raise BlockfoldError(
             f"{model} replaces sublayers by linear maps (NBL), which no llama.cpp architecture expresses (a layer "
-            "whose attention is `W x + b` with no KV cache): serve it with transformers, or export a depth-pruned "
-            "output (replaceme, uidl, drop-block, sleb, prune-comp)")
+            "whose attention is `W x + b` with no KV cache): serve it with transformers, or export the output of a "
+            f"method that writes a standard checkpoint ({', '.join(methods_where(lambda m: m.writes_standard_checkpoint))})")
     if getattr(config, "text_config", None) is not None and model_type not in ARCHITECTURES:
         raise BlockfoldError(f"{model} is a multimodal checkpoint ({model_type!r}): llama.cpp takes its language model "
                              "and its vision projector as two files (a GGUF and an mmproj), which blockfold does not "

@@ -1,0 +1,62 @@
+"""The method registry (``settings.SETTINGS``) is the one place a method is declared: the CLI, the
+API and the errors read it, and no other source file lists methods by hand."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+import blockfold
+from blockfold.cli import main
+from blockfold.methods import METHODS
+from blockfold.settings import DEFAULT_METHOD, SETTINGS
+
+SOURCE = Path(blockfold.__file__).parent
+NAME = re.compile(r"(?<![\w-])(" + "|".join(sorted(map(re.escape, SETTINGS), key=len, reverse=True)) + r")(?![\w-])")
+
+
+def _names_listed(node: ast.AST) -> set[str]:
+    """Method names a literal collection (its string items) or one string (its text) names."""
+    if isinstance(node, (ast.List, ast.Tuple, ast.Set)):
+        items = node.elts
+    elif isinstance(node, ast.Dict):
+        items = [key for key in node.keys if key is not None]
+    elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return set(NAME.findall(node.value))
+    elif isinstance(node, ast.JoinedStr):
+        return set(NAME.findall("".join(part.value for part in node.values if isinstance(part, ast.Constant))))
+    else:
+        return set()
+    return {item.value for item in items if isinstance(item, ast.Constant) and item.value in SETTINGS}
+
+
+def test_no_source_file_but_the_registry_lists_methods():
+    listed = []
+    for path in sorted(SOURCE.rglob("*.py")):
+        if path.name == "settings.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = _names_listed(node)
+            if len(names) >= 3:
+                listed.append(f"{path.relative_to(SOURCE)}:{node.lineno}: {sorted(names)}")
+    assert not listed, "methods listed by hand (derive them from settings.SETTINGS):\n" + "\n".join(listed)
+
+
+def test_every_registered_method_runs_and_is_listed(capsys):
+    assert set(METHODS) == set(SETTINGS) and DEFAULT_METHOD == "replaceme"
+    assert main(["methods"]) == 0
+    out = capsys.readouterr().out
+    for name, cls in SETTINGS.items():
+        assert f"{name}{' (default)' if name == DEFAULT_METHOD else ''}: {cls.summary()}" in out
+        assert cls.summary() and "``" not in cls.summary()
+    assert "    refit: all" in out and "    blocks: 8" in out  # defaults as a run resolves them
+
+
+def test_method_flag_offers_the_registry(capsys):
+    with pytest.raises(SystemExit):
+        main(["compress", "--model", "m", "--out", "o", "--method", "unknown"])
+    err = capsys.readouterr().err
+    assert all(f"'{name}'" in err for name in SETTINGS)
