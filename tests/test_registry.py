@@ -60,3 +60,10 @@ def test_method_flag_offers_the_registry(capsys):
         main(["compress", "--model", "m", "--out", "o", "--method", "unknown"])
     err = capsys.readouterr().err
     assert all(f"'{name}'" in err for name in SETTINGS)
+
+
+def test_the_command_line_reference_is_current():
+    from blockfold.cli import reference_markdown
+
+    written = (Path(__file__).resolve().parents[1] / "docs" / "cli.md").read_text(encoding="utf-8")
+    assert written == reference_markdown(), "docs/cli.md is stale: run scripts/cli-reference.sh"

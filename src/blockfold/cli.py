@@ -767,6 +767,33 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def reference_markdown() -> str:
+    """docs/cli.md: every command with its options, generated from the parser so it cannot drift
+    (``scripts/cli-reference.sh`` writes it; a test fails when the file is stale)."""
+    parser = build_parser()
+    commands = next(action for action in parser._actions if isinstance(action, argparse._SubParsersAction))
+    helps = {choice.dest: choice.help for choice in commands._choices_actions}
+    lines = ["# Command-line reference", "",
+             "Generated from blockfold's parser by `scripts/cli-reference.sh`; `blockfold COMMAND --help` "
+             "prints the same. Methods and their settings: `blockfold methods`; why each default is what it is: "
+             "[defaults.md](defaults.md).", ""]
+    for name, command in commands.choices.items():
+        lines += [f"## `blockfold {name}`", "", helps[name][0].upper() + helps[name][1:] + ".", ""]
+        options = [action for action in command._actions if not isinstance(action, argparse._HelpAction)]
+        if not options:
+            continue
+        lines += ["| Option | Values | Default | What it does |", "|---|---|---|---|"]
+        for action in options:
+            flag = ", ".join(f"`{option}`" for option in action.option_strings) or f"`{action.dest}`"
+            values = ", ".join(f"`{choice}`" for choice in action.choices) if action.choices else (
+                "" if action.nargs == 0 else f"`{action.metavar or action.dest.upper()}`")
+            default = "" if action.default in (None, False, argparse.SUPPRESS) else f"`{action.default}`"
+            text = (action.help or "").replace("%%", "%").replace("|", "\\|").replace("<", "&lt;").replace("\n", " ")
+            lines.append(f"| {flag} | {values} | {default} | {text} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
 def _log_to_stderr() -> None:
     """blockfold's own diagnostics (``logging``, INFO and above) on stderr, once per process."""
     logger = logging.getLogger("blockfold")
