@@ -395,3 +395,15 @@ def test_help_imports_neither_torch_nor_transformers():
              "print(sorted({'torch', 'transformers', 'numpy'} & set(sys.modules)))")
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]", done.stdout + done.stderr
+
+
+def test_quiet_prints_the_summary_and_no_progress(tmp_path, corpus, tiny_folder, capfd):
+    assert main(["compress", "--model", str(tiny_folder), "--calib", str(corpus), "--blocks", "2", "--num-seqs", "4",
+                 "--out", str(tmp_path / "quiet"), "-q"]) == 0
+    out, err = capfd.readouterr()
+    assert "removed" in out and str(tmp_path / "quiet") in out  # the summary
+    assert err == "", err  # no bars (blockfold's, transformers' loading and writing), no progress lines
+    assert "TQDM_DISABLE" not in os.environ  # the process's own setting back as it was
+    assert main(["compress", "--model", str(tiny_folder), "--calib", str(corpus), "--blocks", "2", "--num-seqs", "4",
+                 "--out", str(tmp_path / "loud")]) == 0
+    assert "calibration pass" in capfd.readouterr().err

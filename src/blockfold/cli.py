@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import shutil
@@ -764,6 +765,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_report(sub)
     _add_export(sub)
     _add_methods(sub)
+    for command in sub.choices.values():
+        loudness = command.add_mutually_exclusive_group()
+        loudness.add_argument("-q", "--quiet", action="store_true",
+                              help="warnings, errors and the final summary only: no progress bars or progress lines")
+        loudness.add_argument("-v", "--verbose", action="store_true", help="blockfold's debugging lines too")
     return parser
 
 
@@ -794,14 +800,15 @@ def reference_markdown() -> str:
     return "\n".join(lines)
 
 
-def _log_to_stderr() -> None:
-    """blockfold's own diagnostics (``logging``, INFO and above) on stderr, once per process."""
+def _log_to_stderr(quiet: bool = False, verbose: bool = False) -> None:
+    """blockfold's own diagnostics (``logging``: INFO and above; WARNING with ``quiet``, DEBUG with
+    ``verbose``) on stderr, once per process."""
     logger = logging.getLogger("blockfold")
     if not any(isinstance(handler, _StderrHandler) for handler in logger.handlers):
         handler = _StderrHandler()
         handler.setFormatter(logging.Formatter("blockfold: %(message)s"))
         logger.addHandler(handler)
-        logger.setLevel(logging.INFO)
+    logger.setLevel(logging.WARNING if quiet else logging.DEBUG if verbose else logging.INFO)
 
 
 class _StderrHandler(logging.Handler):
@@ -813,33 +820,36 @@ class _StderrHandler(logging.Handler):
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    _log_to_stderr()
+    _log_to_stderr(args.quiet, args.verbose)
     # a terminated run unwinds like an interrupted one, so its staging folder is removed
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     from blockfold import distributed
     from blockfold.errors import out_of_memory
 
-    try:
-        if distributed.launched():
-            _join_processes(args)
-        return {"compress": cmd_compress, "eval": cmd_eval, "bench": cmd_bench, "heal": cmd_heal,
-                "analyze": cmd_analyze, "sweep": cmd_sweep, "report": cmd_report,
-                "export": cmd_export, "methods": cmd_methods}[args.command](args)
-    except BlockfoldError as err:
-        print(f"blockfold: error{_rank_label()}: {err}", file=sys.stderr)
-        return 2
-    except (RuntimeError, MemoryError) as err:
-        memory = out_of_memory(err)
-        if memory is not None:
-            print(f"blockfold: error{_rank_label()}: {memory}", file=sys.stderr)
+    from blockfold.progress import quietly
+
+    with quietly() if args.quiet else contextlib.nullcontext():
+        try:
+            if distributed.launched():
+                _join_processes(args)
+            return {"compress": cmd_compress, "eval": cmd_eval, "bench": cmd_bench, "heal": cmd_heal,
+                    "analyze": cmd_analyze, "sweep": cmd_sweep, "report": cmd_report,
+                    "export": cmd_export, "methods": cmd_methods}[args.command](args)
+        except BlockfoldError as err:
+            print(f"blockfold: error{_rank_label()}: {err}", file=sys.stderr)
             return 2
-        if distributed.current().several:  # this rank's own failure: named, so the others' reports point here
-            print(f"blockfold: error{_rank_label()}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}",
-                  file=sys.stderr)
-        raise
-    finally:
-        distributed.finish()
+        except (RuntimeError, MemoryError) as err:
+            memory = out_of_memory(err)
+            if memory is not None:
+                print(f"blockfold: error{_rank_label()}: {memory}", file=sys.stderr)
+                return 2
+            if distributed.current().several:  # this rank's own failure: named, so the others' reports point here
+                print(f"blockfold: error{_rank_label()}: {type(err).__name__}: "
+                      f"{str(err).splitlines()[0] if str(err) else ''}", file=sys.stderr)
+            raise
+        finally:
+            distributed.finish()
 
 
 #: commands that share their calibration passes among torchrun's processes

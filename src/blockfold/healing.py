@@ -25,12 +25,12 @@ import math
 import time
 
 import torch
-from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from blockfold.adapters import get_adapter
 from blockfold.data import CalibrationSet
 from blockfold.errors import BlockfoldError
+from blockfold.progress import bar
 from blockfold.recipe import HealConfig
 
 
@@ -172,7 +172,7 @@ def heal(model: PreTrainedModel, data: CalibrationSet, config: HealConfig, manif
         raise BlockfoldError("healing data has no batches: give a non-empty --data")
     trained.train()
     losses, started = [], time.perf_counter()
-    progress = tqdm(range(config.steps), desc=f"healing ({config.mode})", unit="step")
+    progress = bar(range(config.steps), desc=f"healing ({config.mode})", unit="step")
     for step in progress:
         batch = batches[step % len(batches)]
         ids, mask = batch.input_ids.to(device), batch.attention_mask.to(device)

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import torch
-from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from blockfold.progress import bar
 from blockfold.recipe import CalibrationConfig
 
 
@@ -19,7 +19,7 @@ def generate_sequences(
     start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
     device = next(model.parameters()).device
     sequences: list[torch.Tensor] = []
-    for first in tqdm(range(0, config.num_sequences, config.batch_size), desc="self-generating calibration"):
+    for first in bar(range(0, config.num_sequences, config.batch_size), desc="self-generating calibration"):
         count = min(config.batch_size, config.num_sequences - first)
         prompt = torch.full((count, 1), start, dtype=torch.long, device=device)
         out = model.generate(

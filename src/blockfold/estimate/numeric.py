@@ -13,8 +13,8 @@ import math
 from typing import Callable, Literal
 
 import torch
-from tqdm.auto import tqdm
 
+from blockfold.progress import bar
 from blockfold.settings import CosineConfig
 from blockfold.stats import SpanRows
 
@@ -51,7 +51,7 @@ def fit_numerically(
         line_search_fn="strong_wolfe", tolerance_grad=1e-9, tolerance_change=1e-12,
     )
 
-    progress = tqdm(desc=f"fitting ({objective})", unit="eval", leave=False)
+    progress = bar(desc=f"fitting ({objective})", unit="eval", leave=False)
 
     penalty = config.l1_penalty / transform.shape[0]
     best = {"loss": float("inf"), "transform": transform.detach().clone()}

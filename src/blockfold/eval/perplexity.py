@@ -7,11 +7,11 @@ import math
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from blockfold.data.calibration import text_start
 from blockfold.errors import BlockfoldError
+from blockfold.progress import bar
 
 WIKITEXT_HINT = (
     "WikiText-2 test text: ../shared/data/wikitext2_test.txt in this project, or "
@@ -105,7 +105,7 @@ def summed_nll(model, batches: list, description: str = "next-token loss") -> tu
     adapter = get_adapter(model)
     device = next(model.parameters()).device
     total, count = 0.0, 0
-    for batch in tqdm(batches, desc=description, unit="batch"):
+    for batch in bar(batches, desc=description, unit="batch"):
         ids, mask = batch.input_ids.to(device), batch.attention_mask.to(device)
         padded = not bool(mask.all())  # a full window takes the plain causal path, as it always has
         normed = adapter.decoder(model)(input_ids=ids, use_cache=False,
@@ -123,7 +123,7 @@ def _streamed_nll(handle, batches: list, description: str) -> tuple[float, int]:
 
     total, count = 0.0, 0
     last = handle.num_layers() - 1
-    for first in tqdm(range(0, len(batches), 16), desc=description, unit="chunk"):
+    for first in bar(range(0, len(batches), 16), desc=description, unit="chunk"):
         chunk = batches[first : first + 16]
         with ActivationStore("device", handle.device) as store:
             program = LayerProgram(handle, chunk, store, last)

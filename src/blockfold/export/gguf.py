@@ -38,15 +38,15 @@ from gguf import (
 )
 from gguf.quants import quant_shape_to_byte_shape, quantize
 from gguf.constants import GGML_QUANT_SIZES
-from tqdm.auto import tqdm
 from transformers import AutoConfig
 
 from blockfold.errors import BlockfoldError
 from blockfold.export.choices import QUANT_TYPE_NAMES, SOURCE
 from blockfold.export.gguf_metadata import config_metadata, llama3_rope_factors, tokenizer_metadata
-from blockfold.settings import methods_where
 from blockfold.export.kquants import K_FILE_TYPES, k_quant_type, quantize_k
 from blockfold.models.checkpoint import CheckpointReader
+from blockfold.progress import bar
+from blockfold.settings import methods_where
 from blockfold.surgery.card import source_license
 
 log = logging.getLogger(__name__)
@@ -373,7 +373,7 @@ def _write(plan: _Plan, path: Path) -> None:
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     try:
-        for tensor in tqdm(plan.tensors, desc=f"writing {path.name.removeprefix('.').split('.partial')[0]}",
+        for tensor in bar(plan.tensors, desc=f"writing {path.name.removeprefix('.').split('.partial')[0]}",
                            unit="tensor"):
             if tensor.copied_from is not None:
                 writer.write_tensor_data(np.asarray(tensor.copied_from.data))

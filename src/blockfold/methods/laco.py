@@ -22,7 +22,6 @@ import logging
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
 from blockfold.data import Batch
 from blockfold.errors import BlockfoldError
@@ -31,6 +30,7 @@ from blockfold.models.handle import ModelHandle
 from blockfold.models.quantized import is_quantized_linear
 from blockfold.pipelines import LayerProgram
 from blockfold.pipelines.buffers import ActivationStore
+from blockfold.progress import bar
 from blockfold.settings import LaCo
 from blockfold.surgery import remove_blocks
 
@@ -116,7 +116,7 @@ def candidate_similarities(handle: ModelHandle, batches: list[Batch], merged: in
     with ActivationStore(store_kind, handle.device, offload_dir) as store:
         program = LayerProgram(handle, batches, store, num_layers - 1)
         streams: dict[int | None, list[torch.Tensor]] = {None: [program.hidden(n) for n in range(len(batches))]}
-        for index in tqdm(range(num_layers), desc=f"scoring merges of {merged + 1} blocks", unit="layer", leave=False):
+        for index in bar(range(num_layers), desc=f"scoring merges of {merged + 1} blocks", unit="layer", leave=False):
             if index in candidates:
                 block = _merged_block(handle, index, merged)
                 streams[index] = [program.run_in_place_of(index, block, h, n) for n, h in enumerate(streams[None])]
@@ -151,7 +151,7 @@ def compress_laco(job: Job) -> dict:
     store_kind, offload_dir = job.runner.store_kind(batches), job.runner.execution.offload_dir
     reference = last_block_outputs(job.handle, batches, store_kind, offload_dir)
     steps = []
-    with tqdm(total=remaining, desc="LaCo", unit="block") as progress:
+    with bar(total=remaining, desc="LaCo", unit="block") as progress:
         while remaining:
             merged = min(settings.merge_layers - 1, remaining)
             scores = candidate_similarities(job.handle, batches, merged, reference, store_kind, offload_dir)

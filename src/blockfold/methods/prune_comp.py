@@ -18,10 +18,10 @@ from __future__ import annotations
 import logging
 
 import torch
-from tqdm.auto import tqdm
 
 from blockfold.methods.base import Job
 from blockfold.methods.sleb import candidate_losses
+from blockfold.progress import bar
 from blockfold.settings import PruneComp
 from blockfold.stats import SpanStatistics
 from blockfold.stats.magnitude import StreamMagnitude
@@ -56,7 +56,7 @@ def compress_prune_comp(job: Job) -> dict:
     count = settings.num_blocks(job.num_layers)
     original_index = list(range(job.num_layers))
     steps = []
-    for _ in tqdm(range(count), desc="Prune&Comp", unit="block"):
+    for _ in bar(range(count), desc="Prune&Comp", unit="block"):
         importance, magnitudes = _importance(job, settings)
         block = min(importance, key=importance.get)
         scale = magnitude_gap(magnitudes, block)

@@ -60,7 +60,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
 from blockfold import distributed
 from blockfold.errors import BlockfoldError
@@ -68,6 +67,7 @@ from blockfold.estimate.lstsq import solve_normal_equations
 from blockfold.methods.base import Job
 from blockfold.pipelines import LayerProgram
 from blockfold.pipelines.buffers import ActivationStore
+from blockfold.progress import bar
 from blockfold.stats.reconstruction import ProjectionEquations
 from blockfold.surgery import scale_block_output
 
@@ -127,7 +127,7 @@ class DownstreamRefit:
         first = self.spans[0].start - 1
         program = LayerProgram(self.job.handle, self.batches, self.store, max(ends))
         show = distributed.current().is_main
-        for index in tqdm(range(max(ends) + 1), desc="refit: the original streams", unit="layer", disable=not show):
+        for index in bar(range(max(ends) + 1), desc="refit: the original streams", unit="layer", show=show):
             if index == first:
                 for number in range(len(self.batches)):
                     self.store.put(f"input:{number}", program.hidden(number))
@@ -160,7 +160,7 @@ class DownstreamRefit:
         report = []
         scale = 1.0  # the product of the stream scales folded so far: the compressed stream is the original's / scale
         show = distributed.current().is_main
-        for index in tqdm(range(first, last + 1), desc="refit: output projections", unit="layer", disable=not show):
+        for index in bar(range(first, last + 1), desc="refit: output projections", unit="layer", show=show):
             with program.layer(index) as (block, run):
                 reason = self._not_refittable(block) if index in refitted_layers else None
                 # the first block reads the original stream: its attention has nothing to correct

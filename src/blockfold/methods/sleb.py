@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 
 import torch
-from tqdm.auto import tqdm
 
 from blockfold.data import Batch
 from blockfold.eval.perplexity import next_token_nll
@@ -21,6 +20,7 @@ from blockfold.methods.base import Job
 from blockfold.models.handle import ModelHandle
 from blockfold.pipelines import LayerProgram
 from blockfold.pipelines.buffers import ActivationStore
+from blockfold.progress import bar
 from blockfold.surgery import remove_blocks
 
 @torch.no_grad()
@@ -32,7 +32,7 @@ def candidate_losses(handle: ModelHandle, batches: list[Batch], candidates: list
     with ActivationStore(store_kind, handle.device, offload_dir) as store:
         program = LayerProgram(handle, batches, store, num_layers - 1)
         streams = {None: [program.hidden(n) for n in range(len(batches))]}  # skipped block → hidden per batch
-        for index in tqdm(range(num_layers), desc="scoring blocks", unit="layer", leave=False):
+        for index in bar(range(num_layers), desc="scoring blocks", unit="layer", leave=False):
             if index in totals:
                 streams[index] = list(streams[None])  # skipping this block: the stream before it goes on
             with program.layer(index) as (_, run):
@@ -55,7 +55,7 @@ def compress_sleb(job: Job) -> dict:
     original_index = list(range(job.num_layers))
     batches = list(job.calibration)
     steps = []
-    for _ in tqdm(range(count), desc="SLEB", unit="block"):
+    for _ in bar(range(count), desc="SLEB", unit="block"):
         perplexities = candidate_losses(job.handle, batches, list(range(job.num_layers)),
                                         job.runner.store_kind(batches), job.runner.execution.offload_dir)
         best = min(perplexities, key=perplexities.get)

@@ -19,11 +19,11 @@ import copy
 import logging
 
 import torch
-from tqdm.auto import tqdm
 
 from blockfold.methods.base import Job
 from blockfold.pipelines import LayerProgram
 from blockfold.pipelines.buffers import ActivationStore
+from blockfold.progress import bar
 from blockfold.select import best_span, by_start, span_criteria
 from blockfold.settings import Streamline
 from blockfold.stats import SpanStatistics
@@ -76,7 +76,7 @@ def _train_in_place(job: Job, start: int, end: int, settings: Streamline) -> lis
             param.requires_grad_(True)
         optimizer = torch.optim.Adam(trained.parameters(), lr=settings.learning_rate)
         masks = [batch.attention_mask.bool().to(handle.device) for batch in batches]
-        for step in tqdm(range(settings.train_steps), desc=f"training block {start} in place of {start}-{end - 1}",
+        for step in bar(range(settings.train_steps), desc=f"training block {start} in place of {start}-{end - 1}",
                          unit="step", leave=False):
             number = step % len(batches)
             with torch.enable_grad():

@@ -18,7 +18,6 @@ from typing import NamedTuple
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFReader, dequantize
-from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.core_model_loading import build_glob_alternation
 from transformers.integrations.gguf import is_gguf_arch_supported, read_gguf_metadata
@@ -31,6 +30,7 @@ from transformers.modeling_gguf_pytorch_utils import (
 
 from blockfold.errors import BlockfoldError
 from blockfold.models.checkpoint import DEFAULT_SHARD_BYTES, ShardWriter
+from blockfold.progress import bar
 
 logger = logging.getLogger(__name__)
 
@@ -135,7 +135,7 @@ def _write_weights(
             written.add(name)
 
     with gguf.open("rb") as handle:
-        for span in tqdm(spans, desc=f"converting {gguf.name}", unit="tensor"):
+        for span in bar(spans, desc=f"converting {gguf.name}", unit="tensor"):
             result = processor.process(weights=_dequantize(_read(handle, span), span.qtype), name=span.name,
                                        tensor_key_mapping=name_map, parsed_parameters=side_channel)
             if result.name in name_map:  # transformers skips the rest (e.g. llama 3's rope_freqs)

@@ -19,12 +19,12 @@ from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
 from blockfold.data import Batch
 from blockfold.models.handle import ModelHandle
 from blockfold.pipelines.buffers import ActivationStore
 from blockfold.pipelines.capture import SublayerCapture, check_finite, first, flatten, last_token_rows, needs_attention, split_rows
+from blockfold.progress import bar
 from blockfold.runtime import check_offload_dir, release_free_memory
 from blockfold.stats.activations import LayerActivations, Observer
 
@@ -148,7 +148,7 @@ def run_sequential(handle: ModelHandle, chunks: list[list[Batch]], observers: li
     needed = [sum(batch.attention_mask.numel() for batch in chunk) * d * handle.dtype.itemsize for chunk in chunks]
     if store_kind == "disk":  # a folder without room fails before the pass, not in its middle
         check_offload_dir(offload_dir, max(needed, default=0))
-    with tqdm(total=len(chunks) * (last_layer + 1), desc=description, unit="layer", disable=not show) as progress:
+    with bar(total=len(chunks) * (last_layer + 1), desc=description, unit="layer", show=show) as progress:
         for number, (chunk, chunk_bytes) in enumerate(zip(chunks, needed), start=first_chunk + 1):
             _run_chunk(handle, chunk, observers, last_layer, attention, progress,
                        ActivationStore(store_kind, handle.device, offload_dir, chunk_bytes))

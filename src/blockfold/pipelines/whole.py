@@ -11,11 +11,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from tqdm.auto import tqdm
 
 from blockfold.data import Batch
 from blockfold.models.handle import ModelHandle
 from blockfold.pipelines.capture import SublayerCapture, check_finite, first, flatten, last_token_rows, needs_attention
+from blockfold.progress import bar
 from blockfold.runtime import release_free_memory
 from blockfold.stats.activations import LayerActivations, Observer
 
@@ -59,7 +59,7 @@ def run_whole(handle: ModelHandle, groups: list[Batch], observers: list[Observer
     captures = [SublayerCapture(layer, adapter, attention, state) for layer in layers[: last_layer + 1]]
     handles += [layer.register_forward_hook(finish_layer(index)) for index, layer in enumerate(layers[: last_layer + 1])]
     try:
-        with tqdm(total=len(groups), initial=first_group, desc=description, unit="batch", disable=not show) as progress:
+        with bar(total=len(groups), initial=first_group, desc=description, unit="batch", show=show) as progress:
             for number, batch in enumerate(groups[first_group:], start=first_group):
                 mask = batch.attention_mask.to(device).bool()
                 state.clear()

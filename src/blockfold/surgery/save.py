@@ -14,7 +14,6 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 from transformers import GenerationConfig
 from transformers.dynamic_module_utils import custom_object_save
 from transformers.utils import GENERATION_CONFIG_NAME
@@ -25,6 +24,7 @@ from blockfold.models.handle import ModelHandle
 from blockfold.models.multimodal import PROCESSOR_FILES
 from blockfold.models.naming import stored_tensors
 from blockfold.models.quantized import companion_names, is_quantized_linear, quantization_method, skip_modules_config
+from blockfold.progress import bar
 from blockfold.surgery.card import CARD_NAME, model_card, source_license
 
 MANIFEST_NAME = "blockfold_manifest.json"
@@ -143,7 +143,7 @@ def write_checkpoint(handle: ModelHandle, folder: Path, save_dtype: torch.dtype 
     reader = handle.store.reader
     layout += [(saved, tuple(reader.shape(source)), reader.dtype(source)) for saved, source in companions.items()]
     writer = ShardWriter(folder, max_shard_bytes, layout)
-    for name, module, attr, tensor in tqdm(entries, desc="writing checkpoint", unit="tensor", leave=False):
+    for name, module, attr, tensor in bar(entries, desc="writing checkpoint", unit="tensor", leave=False):
         value = handle.saved_value(module, attr) if attr in module._parameters else tensor
         for stored, piece in stored_tensors(model, name, _cast_checked(name, value, dtype_of(value))).items():
             writer.add(stored, piece.contiguous())
