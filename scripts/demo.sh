@@ -15,7 +15,7 @@ fi
 bash scripts/setup.sh
 DATA=${BLOCKFOLD_DATA:-../shared/data}
 OUT=${OUT:-out/demo}
-.venv/bin/blockfold sweep --model "${MODEL:-smollm2-135m}" --methods replaceme --blocks "${BLOCKS:-8}" \
+.venv/bin/blockfold sweep --model "${MODEL:-smollm2-135m}" --methods replaceme --budgets "${BLOCKS:-8}" \
   --calib "$DATA/c4_demo.jsonl" --calib-docs 128 --ppl "$DATA/wikitext2_test.txt" \
   --tasks "${TASKS:-piqa,arc_easy}" "${SIZE[@]}" --save-models --out "$OUT" --overwrite "$@"
 .venv/bin/blockfold report "$OUT"

@@ -64,7 +64,7 @@ def test_compress_and_eval_tiny_model(capsys, tiny_folder, corpus, tmp_path):
     assert Recipe.from_yaml(out / "blockfold_recipe.yaml").settings.blocks == 2
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "no staging folder left behind"
     results = tmp_path / "eval.json"
-    assert main(["eval", "--model", str(out), "--ppl", str(corpus), "--seq-len", "32", "--json", str(results)]) == 0
+    assert main(["eval", "--model", str(out), "--ppl", str(corpus), "--ppl-seq-len", "32", "--json", str(results)]) == 0
     evaluated = json.loads(results.read_text())
     assert set(evaluated) == {"original", "model", "ratio"}
     assert evaluated["model"]["perplexity"] > 0
@@ -327,7 +327,7 @@ def test_python_api_outputs_are_as_complete_as_the_cli(capsys, tiny_folder, corp
     assert set(evaluated) == {"original", "model", "ratio"} and evaluated["original"]["spec"] == str(tiny_folder)
     in_memory = blockfold.evaluate(result, perplexity_text=corpus, sequence_length=32)
     assert in_memory["model"]["perplexity"] == pytest.approx(evaluated["model"]["perplexity"], rel=1e-4)
-    assert main(["eval", "--model", str(out), "--ppl", str(corpus), "--seq-len", "32"]) == 0
+    assert main(["eval", "--model", str(out), "--ppl", str(corpus), "--ppl-seq-len", "32"]) == 0
     assert "ppl ratio" in capsys.readouterr().out
     healed = blockfold.heal(out, {"steps": 2, "data": {"source": str(corpus), "num_sequences": 4, "sequence_length": 32}},
                             perplexity_text=corpus)
@@ -365,7 +365,7 @@ def test_every_output_carries_a_model_card(capsys, tiny_folder, corpus, tmp_path
     assert f"Blocks {', '.join(map(str, manifest['removed_blocks']))} of 6 were removed" in card
     assert f"{manifest['perplexity']['compressed']['perplexity']:.2f} (this checkpoint)" in card
     assert 'from_pretrained("pruned")' in card and "trust_remote_code" not in card
-    assert "vllm serve pruned" in card and "blockfold export pruned pruned.gguf" in card
+    assert "vllm serve pruned" in card and "blockfold export --model pruned --out pruned.gguf" in card
     card = (linearized / "README.md").read_text()
     layers = json.loads((linearized / MANIFEST_NAME).read_text())["replaced"]["layers"]
     assert f"attention sublayers of layers {', '.join(map(str, layers))}" in card and "keep no KV cache" in card
@@ -407,3 +407,20 @@ def test_quiet_prints_the_summary_and_no_progress(tmp_path, corpus, tiny_folder,
     assert main(["compress", "--model", str(tiny_folder), "--calib", str(corpus), "--blocks", "2", "--num-seqs", "4",
                  "--out", str(tmp_path / "loud")]) == 0
     assert "calibration pass" in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("argv, new, dest, value", [
+    (["eval", "--model", "m", "--max-windows", "3"], "--ppl-windows", "ppl_windows", 3),
+    (["eval", "--model", "m", "--seq-len", "64"], "--ppl-seq-len", "ppl_seq_len", 64),
+    (["eval", "--model", "m", "--batch-size", "2"], "--task-batch-size", "task_batch_size", 2),
+    (["heal", "--model", "m", "--out", "o", "--data", "t.txt"], "--calib", "calib", "t.txt"),
+    (["heal", "--model", "m", "--out", "o", "--calib", "t.txt", "--data-docs", "5"], "--calib-docs", "calib_docs", 5),
+    (["sweep", "--model", "m", "--out", "o", "--blocks", "2,4"], "--budgets", "budgets", "2,4"),
+    (["compress", "--model", "m", "--out", "o", "--train-lr", "0.01"], "--lr", "lr", 0.01),
+])
+def test_renamed_flags_still_work_for_one_release_and_name_the_new_one(argv, new, dest, value, capsys):
+    from blockfold.cli import build_parser
+
+    assert getattr(build_parser().parse_args(argv), dest) == value
+    assert f"is now {new}" in capsys.readouterr().err
+    assert argv[-2] not in build_parser()._subparsers._group_actions[0].choices[argv[0]].format_help()  # not in --help

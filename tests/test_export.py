@@ -88,7 +88,7 @@ def test_float16_export_holds_the_source_values(tmp_path, model):
     which fails if llama's q/k rows were left in transformers' order or Gemma's norms lost their 1 +."""
     source = _source(model)
     out = tmp_path / "f16.gguf"
-    assert main(["export", model, str(out), "--quant", "f16"]) == 0
+    assert main(["export", "--model", model, "--out", str(out), "--quant", "f16"]) == 0
     exported = {t.name: t for t in GGUFReader(out).tensors}
     for tensor in GGUFReader(source).tensors:
         mine = exported[tensor.name]
@@ -106,7 +106,7 @@ def test_compressed_output_exports_its_blocks(compressed_smollm2, tmp_path):
     source = {t.name: t for t in GGUFReader(_source("smollm2-135m")).tensors}
 
     out = tmp_path / "round-trip.gguf"
-    assert main(["export", str(compressed_smollm2), str(out), "--quant", "source"]) == 0
+    assert main(["export", "--model", str(compressed_smollm2), "--out", str(out), "--quant", "source"]) == 0
     reader = GGUFReader(out)
     fields = _fields(reader)
     assert fields["llama.block_count"] == 26 and sorted(fields["blockfold.removed_blocks"]) == sorted(removed)
@@ -130,7 +130,7 @@ def test_compressed_output_exports_its_blocks(compressed_smollm2, tmp_path):
             assert np.array_equal(np.asarray(tensor.data), np.asarray(original.data)), name
 
     uniform = tmp_path / "q8.gguf"
-    assert main(["export", str(compressed_smollm2), str(uniform), "--quant", "q8_0"]) == 0
+    assert main(["export", "--model", str(compressed_smollm2), "--out", str(uniform), "--quant", "q8_0"]) == 0
     q8 = {t.name: t for t in GGUFReader(uniform).tensors}
     assert set(q8) == set(tensors)
     assert {t.tensor_type for t in q8.values() if len(t.shape) > 1} == {GGMLQuantizationType.Q8_0}
@@ -148,8 +148,8 @@ def test_gemma_sliding_layers_are_listed_per_layer():
 
 
 def test_bad_exports_are_refused_with_the_fix(capsys, compressed_smollm2, tmp_path):
-    def refused(*argv: str) -> str:
-        assert main(["export", *argv]) == 2
+    def refused(model: str, out: str, *argv: str) -> str:
+        assert main(["export", "--model", model, "--out", out, *argv]) == 2
         return capsys.readouterr().err
 
     assert "must end in .gguf" in refused(str(compressed_smollm2), str(tmp_path / "model.bin"))
@@ -163,6 +163,10 @@ def test_bad_exports_are_refused_with_the_fix(capsys, compressed_smollm2, tmp_pa
     model.save_pretrained(folder)
     tiny_tokenizer().save_pretrained(folder)
     assert "--quant f16" in refused(str(folder), str(tmp_path / "t.gguf"), "--quant", "source")
+    # the old positional form: still read for one release, and it names the new one
+    assert main(["export", str(folder), str(tmp_path / "old.gguf"), "--quant", "source"]) == 2
+    err = capsys.readouterr().err
+    assert "export --model MODEL --out OUT" in err and "--quant f16" in err
     # a type blockfold does not write (an i-quant needs an importance matrix): llama-quantize is the way
     assert "llama-quantize" in refused(str(compressed_smollm2), str(tmp_path / "k.gguf"), "--quant", "iq2_xs")
     assert not list(tmp_path.glob("*.partial*")) and not (tmp_path / "t.gguf").exists()
@@ -322,7 +326,7 @@ def test_folder_export_reads_back(tmp_path, capsys):
 
     folder = _bpe_folder(tmp_path, pre_tokenizers.ByteLevel(add_prefix_space=False))
     out = tmp_path / "tiny.gguf"
-    assert main(["export", str(folder), str(out), "--quant", "q8_0"]) == 0
+    assert main(["export", "--model", str(folder), "--out", str(out), "--quant", "q8_0"]) == 0
     reader = GGUFReader(out)
     fields = _fields(reader)
     config = tiny_model("llama").config
@@ -331,10 +335,10 @@ def test_folder_export_reads_back(tmp_path, capsys):
     assert len(fields["tokenizer.ggml.tokens"]) == 304 == {t.name: t for t in reader.tensors}["token_embd.weight"].shape[1]
     assert {t.name for t in reader.tensors} >= {"token_embd.weight", "output_norm.weight", "blk.0.attn_q.weight"}
 
-    assert main(["export", str(folder), str(tmp_path / "x.gguf"), "--tokenizer-pre", "bogus"]) == 2
+    assert main(["export", "--model", str(folder), "--out", str(tmp_path / "x.gguf"), "--tokenizer-pre", "bogus"]) == 2
     assert "--tokenizer-pre 'bogus'" in capsys.readouterr().err
     (folder / "tokenizer.json").unlink()
-    assert main(["export", str(folder), str(tmp_path / "y.gguf")]) == 2
+    assert main(["export", "--model", str(folder), "--out", str(tmp_path / "y.gguf")]) == 2
     assert "no tokenizer.json" in capsys.readouterr().err
     assert not (tmp_path / "x.gguf").exists() and not (tmp_path / "y.gguf").exists()
 
@@ -353,7 +357,7 @@ def test_k_quant_export_follows_llama_quantize(tmp_path):
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     out = tmp_path / "q4km.gguf"
-    assert main(["export", str(folder), str(out), "--quant", "q4_k_m"]) == 0
+    assert main(["export", "--model", str(folder), "--out", str(out), "--quant", "q4_k_m"]) == 0
     reader = GGUFReader(out)
     assert _fields(reader)["general.file_type"] == 15  # LlamaFileType.MOSTLY_Q4_K_M
     weights = CheckpointReader(folder)
@@ -384,7 +388,7 @@ def test_fresh_k_quant_export_reproduces_llama_quantize_bytes(tmp_path):
     tensor gets the type llama-quantize gave it, and the K-quant tensors come back as llama.cpp's own bytes."""
     folder = _without_gguf_record("gemma3-270m", tmp_path)
     out = tmp_path / "fresh.gguf"
-    assert main(["export", str(folder), str(out), "--quant", "q4_k_m"]) == 0
+    assert main(["export", "--model", str(folder), "--out", str(out), "--quant", "q4_k_m"]) == 0
     mine = {t.name: t for t in GGUFReader(out).tensors}
     same = total = 0
     for tensor in GGUFReader(_source("gemma3-270m")).tensors:

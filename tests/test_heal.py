@@ -69,7 +69,7 @@ def test_heal_cli_saves_a_checkpoint_plain_transformers_loads(tmp_path):
     data = tmp_path / "train.jsonl"
     data.write_text("\n".join(json.dumps({"text": " ".join(f"w{(i * k) % 90}" for i in range(80))}) for k in range(1, 12)))
     out = tmp_path / "healed"
-    code = main(["heal", "--model", str(source), "--data", str(data), "--out", str(out), "--steps", "3",
+    code = main(["heal", "--model", str(source), "--calib", str(data), "--out", str(out), "--steps", "3",
                  "--num-seqs", "4", "--seq-len", "32", "--batch-size", "2"])
     assert code == 0
     saved = json.loads((out / "blockfold_manifest.json").read_text())
@@ -77,7 +77,7 @@ def test_heal_cli_saves_a_checkpoint_plain_transformers_loads(tmp_path):
     assert blockfold.Recipe.from_yaml(out / "blockfold_recipe.yaml").method == "replaceme"
     reloaded = AutoModelForCausalLM.from_pretrained(out)
     assert get_adapter(reloaded).num_layers(reloaded) == 4
-    assert main(["heal", "--model", str(source), "--data", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "x")]) == 2
+    assert main(["heal", "--model", str(source), "--calib", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "x")]) == 2
     assert not (tmp_path / "x").exists()
 
 

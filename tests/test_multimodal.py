@@ -172,7 +172,7 @@ def test_cli_plans_a_multimodal_checkpoint_and_refuses_what_it_cannot_write(caps
     assert main(["compress", "--model", str(folder), "--calib", str(corpus), "--out", str(compressed), "--num-seqs",
                  "8", "--seq-len", "32", "--blocks", "2"]) == 0
     capsys.readouterr()
-    code = main(["export", str(compressed), str(tmp_path / "out.gguf"), "--quant", "f16"])
+    code = main(["export", "--model", str(compressed), "--out", str(tmp_path / "out.gguf"), "--quant", "f16"])
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("blockfold: error:")]
     assert code != 0 and len(errors) == 1 and "mmproj" in errors[0], errors
 

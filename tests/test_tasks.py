@@ -86,7 +86,7 @@ def test_eval_cli_tasks_with_relative_performance_and_a_cache_keyed_by_weights(t
     for folder in (original, other):
         tiny_tokenizer().save_pretrained(folder)
     argv = ["eval", "--model", str(other), "--baseline", str(original), "--tasks", "piqa,arc_easy", "--limit", "3",
-            "--batch-size", "3", "--json", str(tmp_path / "r.json")]
+            "--task-batch-size", "3", "--json", str(tmp_path / "r.json")]
     assert main(argv) == 0
     first = json.loads((tmp_path / "r.json").read_text())
     assert set(first["relative_performance"]["tasks"]) <= {"piqa", "arc_easy"} and "perplexity" not in first["model"]

