@@ -34,7 +34,7 @@ from blockfold.cli import SETTINGS_FLAGS, main
 from blockfold.errors import BlockfoldError
 from blockfold.pipelines import persist
 from blockfold.runtime import DTYPES, Execution
-from blockfold.settings import SETTINGS, AttentionBudget
+from blockfold.settings import SETTINGS, AttentionBudget, RefitStage
 
 ARCHITECTURES = ("llama", "gemma3_text", "qwen2_moe")
 
@@ -63,13 +63,17 @@ CALIBRATION = {"num_sequences": 8, "sequence_length": 24, "batch_size": 4}
 
 
 def _cases() -> dict[str, tuple[str, dict]]:
-    """Every registered method, by its budget unless a variant says more."""
+    """Every registered method, by its budget unless a variant says more; and every method that takes
+    the refit stage but does not run it by default, once more with it (``+refit``)."""
     cases = {}
     for method, settings_class in SETTINGS.items():
         budget = {"attention_layers": 2} if issubclass(settings_class, AttentionBudget) else {"blocks": 2}
         variants = {name: extra for name, (of, extra) in VARIANTS.items() if of == method} or {method: {}}
         for name, extra in variants.items():
             cases[name] = (method, {**budget, **extra})
+        if issubclass(settings_class, RefitStage) and settings_class(**budget).refit == "none":
+            first = next(iter(variants.values()))
+            cases[f"{method}+refit"] = (method, {**budget, **first, "refit": "all"})
     return cases
 
 
@@ -240,7 +244,8 @@ def mode_stats_cache(workspace, case, arch, out, capsys, monkeypatch) -> Outcome
     cache = out.parent / f"{out.name}.cache"
     first = _api(workspace, case, arch, out.parent / f"{out.name}.first", stats_cache=str(cache))
     outcome = _api(workspace, case, arch, out, stats_cache=str(cache))
-    if first.manifest is not None and first.manifest["execution"]["passes"]:
+    # the refit's passes record activations, not sums: nothing of them is cached
+    if first.manifest is not None and first.manifest["execution"]["passes"] > first.manifest.get("refit", {}).get("passes", 0):
         assert outcome.manifest["execution"]["cached_passes"] >= 1
     return outcome
 

@@ -228,8 +228,11 @@ def test_refit_settings_are_refused_where_they_would_do_nothing():
         Recipe.parse({"method": "replaceme", "blocks": 2, "greedy": True, "refit": "down"})
     with pytest.raises(BlockfoldError, match="--refit all"):
         Recipe.parse({"method": "replaceme", "blocks": 2, "refit": "down", "refit_sandwich": True})
-    with pytest.raises(BlockfoldError, match="refit"):
-        Recipe.parse({"method": "uidl", "blocks": 2, "refit": "down"})
+    # the refit follows methods that remove blocks; one that replaces or patches them has no such stage
+    for method, budget in (("nbl", "attention_layers"), ("linear-patch", "blocks"), ("streamline", "blocks")):
+        with pytest.raises(BlockfoldError, match=f"refit does not apply to method '{method}'"):
+            Recipe.parse({"method": method, budget: 2, "refit": "down"})
+    assert Recipe.parse({"method": "uidl", "blocks": 2, "refit": "down"}).settings.refit_blocks == 2
 
 
 def test_cli_refit_output_reloads_without_blockfold(tmp_path):
@@ -404,3 +407,81 @@ def test_refitting_the_input_projections_too_lowers_held_out_perplexity_on_a_rea
     assert all(entry[part]["relative_error_after"] < entry[part]["relative_error_before"]
                for entry in later for part in ("attention_inputs", "mlp_inputs"))
     assert figures["all"] < 0.95 * figures["attn+down"], figures  # measured: 259.0 against 314.5
+
+
+@pytest.mark.parametrize("silenced", [(2, 3), (0, 1)], ids=["mid-model", "from-block-0"])
+def test_the_refit_stage_after_drop_block_leaves_a_span_that_does_nothing_alone(silenced):
+    """The stage records the original streams on a twin taken before the method runs; on blocks that do
+    nothing (which drop-block removes) it must find nothing to correct, also where the span is at the
+    very start and there is no block before it (the refit then starts at the first kept block)."""
+    model = tiny_model("llama")
+    silence_blocks(model, silenced)
+    ids = torch.randint(4, 96, (2, 16))
+    with torch.no_grad():
+        expected = model(ids).logits
+    result = blockfold.compress(model, tiny_tokenizer(), blockfold.DropBlock(blocks=2, refit="all", refit_ridge=0.0,
+                                                                             refit_blocks=10),
+                                calibration=random_calibration())
+    assert result.manifest["removed_blocks"] == list(silenced)
+    blocks = result.manifest["refit"]["blocks"]
+    assert [entry["block"] for entry in blocks] == list(range(silenced[0] - 1 if silenced[0] else 0, 4))
+    assert all(entry["relative_error_before"] < 1e-9 for entry in blocks)
+    with torch.no_grad():
+        assert (model(ids).logits - expected).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("method", [blockfold.DropBlock, blockfold.SLEB, blockfold.PruneComp, blockfold.LaCo])
+def test_the_refit_stage_brings_each_removal_closer_to_the_original(method):
+    """After any method that removes blocks, the refit stage lowers the error of every block it refits
+    and brings the output on tokens it never saw closer to the original's; the removal itself (the
+    blocks, Prune&Comp's compensation) is what the method alone does."""
+    held_out = torch.randint(4, 96, (4, 24), generator=torch.Generator().manual_seed(7))
+    original = tiny_model("llama")
+    with torch.no_grad():
+        expected = original(held_out).logits
+    outputs = {}
+    for refit in ("none", "all"):
+        model = copy.deepcopy(original)
+        result = blockfold.compress(model, tiny_tokenizer(), method(blocks=2, refit=refit),
+                                    calibration=random_calibration(num_sequences=16))
+        outputs[refit] = result.manifest
+        with torch.no_grad():
+            outputs[refit]["error"] = float((model(held_out).logits - expected).pow(2).mean())
+    plain, refitted = outputs["none"], outputs["all"]
+    assert plain["removed_blocks"] == refitted["removed_blocks"]
+    assert plain.get("compensation") == refitted.get("compensation") and "refit" not in plain
+    entries = [entry for entry in refitted["refit"]["blocks"] if "relative_error_before" in entry]
+    assert entries and all(entry["relative_error_after"] < entry["relative_error_before"] for entry in entries)
+    assert refitted["error"] < plain["error"]
+
+
+def test_the_refit_stage_fits_to_the_stream_a_compensated_removal_left(monkeypatch):
+    """Prune&Comp divides what every block after a removal writes by its scale ``s``: the compressed
+    stream there is the original's divided by ``s``. The refit must aim at that stream, so after a span
+    that does nothing, compensated by ``s = 2``, the block before it only halves the stream (its fitted
+    stream scale) and the later blocks find nothing to correct. Aimed at the undivided stream, the
+    stream scale would stay 1 and every later block would have half its contribution to make up."""
+    from blockfold import methods
+    from blockfold.surgery import remove_blocks, scale_block_output
+
+    def silenced_span_compensated(job):
+        remove_blocks(job.model, job.adapter, [2, 3])
+        for later in job.handle.layers()[2:]:
+            scale_block_output(job.handle, later, 1 / 2)
+        return {"removed_blocks": [2, 3], "compensation": {"by_block": {2: 1.0, 3: 2.0}},
+                "selection": {"criterion": "given", "score": 0.0}}
+
+    monkeypatch.setitem(methods.METHODS, "drop-block", silenced_span_compensated)
+    model = tiny_model("llama")
+    silence_blocks(model, (2, 3))
+    ids = torch.randint(4, 96, (2, 16))
+    with torch.no_grad():
+        expected = model(ids).logits
+    result = blockfold.compress(model, tiny_tokenizer(), blockfold.DropBlock(blocks=2, refit="down", refit_ridge=0.0,
+                                                                             refit_blocks=10),
+                                calibration=random_calibration())
+    gap, *later = result.manifest["refit"]["blocks"]
+    assert gap["block"] == 1 and gap["stream_scale"] == pytest.approx(0.5, rel=1e-6)
+    assert [entry["block"] for entry in later] == [2, 3] and all(entry["relative_error_before"] < 1e-9 for entry in later)
+    with torch.no_grad():
+        assert (model(ids).logits - expected).abs().max() < 1e-3

@@ -188,7 +188,7 @@ def compress(
     ``recipe.calibration``. ``cache`` (a ``methods.PassCache``) lets compressions of the same weights
     share their first pass.
     """
-    from blockfold.methods import METHODS, Job
+    from blockfold.methods import Job, run_stages
     from blockfold.pipelines import Runner
     from blockfold.pipelines.persist import calibration_digest
 
@@ -228,7 +228,7 @@ def compress(
     job = Job(handle, recipe.settings, calibration, runner, cache, seed=recipe.calibration.seed)
     started = time.perf_counter()
     try:
-        details = METHODS[recipe.method](job)
+        details = run_stages(job)
     except (RuntimeError, MemoryError) as error:
         memory = out_of_memory(error)
         if memory is None:

@@ -131,11 +131,62 @@ class SpanSelection(BlockBudget):
         return (self.spans,) if isinstance(self.spans, int) else tuple(k for k in AUTO_SPAN_COUNTS if k <= blocks)
 
 
-class ReplaceMe(SpanSelection):
+class RefitStage(MethodSettings):
+    """The refit stage's settings, on every method that removes blocks: after the removal, the projections
+    of the blocks from the one before each removed span are refitted in closed form so that the compressed
+    model's stream follows the original's (methods/refit.py). ``refit=None`` resolves to the method's
+    ``default_refit()``: ``none`` for the baselines, so each runs as its paper describes unless asked."""
+
+    #: True where the method's own surgery runs the refit (it records the streams before removing),
+    #: False where the stage records them on an unedited twin of the model before the method runs
+    refits_within: ClassVar[bool] = False
+
+    # which projections: down, attention output + down, all (also those reading the normed inputs), none
+    refit: Literal["none", "down", "attn+down", "all"] | None = None
+    # blocks refitted per span, from the one before it (a number past the last block: every later one)
+    refit_blocks: int | None = Field(None, ge=1)
+    # ridge toward the current weight, relative to the mean of diag(aᵀa) of the projection's inputs
+    refit_ridge: float = Field(1e-2, ge=0)
+    # each token's squared error as it is (none) or relative to the original stream's energy (stream)
+    refit_weighting: Literal["none", "stream"] = "none"
+    # also fit one scalar for the span's magnitude gap, folded into every later block's writes
+    refit_scale: bool | None = None
+    # with refit all, correct the input projections of sandwich blocks whose outputs cannot be refitted
+    refit_sandwich: bool | None = None
+
+    def default_refit(self) -> str:
+        return "none"
+
+    @model_validator(mode="after")
+    def _consistent_refit(self):
+        if self.refit is None:
+            self._resolve("refit", self.default_refit())
+        if self.refit == "none":
+            defaults = type(self).model_fields
+            if (self.refit_blocks is not None or self.refit_ridge != defaults["refit_ridge"].default
+                    or self.refit_weighting != defaults["refit_weighting"].default or self.refit_scale):
+                raise ValueError("refit_blocks, refit_ridge, refit_weighting and refit_scale apply to a refit: add "
+                                 "--refit all or --refit down, or drop them")
+            self._resolve("refit_scale", False)
+        if self.refit != "all" and self.refit_sandwich:
+            raise ValueError("refit_sandwich (--refit-sandwich) corrects input projections, which only --refit all "
+                             "refits: use --refit all or drop it")
+        if self.refit_sandwich is None:
+            self._resolve("refit_sandwich", self.refit == "all")
+        if self.refit != "none":
+            if self.refit_blocks is None:
+                self._resolve("refit_blocks", 3 if self.refit == "all" else 2)
+            if self.refit_scale is None:
+                self._resolve("refit_scale", True)
+        return self
+
+
+class ReplaceMe(RefitStage, SpanSelection):
     """Remove the span a linear map replaces best and fold the map into the block before it."""
 
     method: ClassVar[str] = "replaceme"
     runner: ClassVar[str] = "blockfold.methods.replaceme:compress_replaceme"
+    refits_within: ClassVar[bool] = True
     runs_on_images: ClassVar[bool] = True
     # auto: build each of AUTO_SPAN_COUNTS and keep the lowest held-out calibration loss
     spans: Annotated[int, Field(ge=1)] | Literal["auto"] = 1
@@ -153,43 +204,16 @@ class ReplaceMe(SpanSelection):
     # blocks with a norm after the MLP (Gemma): which foldable form of the map (docs/gemma.md)
     sandwich_fold: Literal["auto", "compare", "linearized-norm", "through-norm"] = "auto"
     cosine: CosineConfig = Field(default_factory=CosineConfig)
-    # refit the projections of the blocks from the one before each span (methods/refit.py)
-    refit: Literal["none", "down", "attn+down", "all"] | None = None
-    # blocks refitted per span, from the one before it (a number past the last block: every later one)
-    refit_blocks: int | None = Field(None, ge=1)
-    # ridge toward the current weight, relative to the mean of diag(aᵀa) of the projection's inputs
-    refit_ridge: float = Field(1e-2, ge=0)
-    # each token's squared error as it is (none) or relative to the original stream's energy (stream)
-    refit_weighting: Literal["none", "stream"] = "none"
-    # also fit one scalar for the span's magnitude gap, folded into every later block's writes
-    refit_scale: bool | None = None
-    # with refit all, correct the input projections of sandwich blocks whose outputs cannot be refitted
-    refit_sandwich: bool | None = None
 
     def describe(self, selection: dict) -> str:
         return f" / {self.estimator}" + (f" (rank {self.rank})" if self.rank else "")
 
+    def default_refit(self) -> str:
+        # a refit needs the spans before the surgery, and plain removal stays plain
+        return "all" if self.estimator == "lstsq" and not self.greedy else "none"
+
     @model_validator(mode="after")
     def _consistent(self):
-        if self.refit is None:  # a refit needs the spans before the surgery, and plain removal stays plain
-            self._resolve("refit", "all" if self.estimator == "lstsq" and not self.greedy else "none")
-        if self.refit == "none":
-            defaults = type(self).model_fields
-            if (self.refit_blocks is not None or self.refit_ridge != defaults["refit_ridge"].default
-                    or self.refit_weighting != defaults["refit_weighting"].default or self.refit_scale):
-                raise ValueError("refit_blocks, refit_ridge, refit_weighting and refit_scale apply to a refit: add "
-                                 "--refit all (the default) or --refit down, or drop them")
-            self._resolve("refit_scale", False)
-        if self.refit != "all" and self.refit_sandwich:
-            raise ValueError("refit_sandwich (--refit-sandwich) corrects input projections, which only --refit all "
-                             "refits: use --refit all or drop it")
-        if self.refit_sandwich is None:
-            self._resolve("refit_sandwich", self.refit == "all")
-        if self.refit != "none":
-            if self.refit_blocks is None:
-                self._resolve("refit_blocks", 3 if self.refit == "all" else 2)
-            if self.refit_scale is None:
-                self._resolve("refit_scale", True)
         if self.refit != "none" and self.greedy:
             raise ValueError("refit (--refit) cannot follow greedy removal yet: the original streams are recorded "
                              "before the surgery, and greedy decides the blocks one removal at a time; drop one of them")
@@ -214,11 +238,12 @@ class ReplaceMe(SpanSelection):
         return self
 
 
-class UIDL(SpanSelection):
+class UIDL(RefitStage, SpanSelection):
     """The span of least angular distance (or ``criterion``), removed with no map (UIDL / ShortGPT)."""
 
     method: ClassVar[str] = "uidl"
     runner: ClassVar[str] = "blockfold.methods.baselines:compress_uidl"
+    refits_within: ClassVar[bool] = True  # it runs ReplaceMe's surgery with the identity map
     runs_on_images: ClassVar[bool] = True
     criterion: SpanCriterion = "angular_last"
     # with a fit criterion, what scores each span: lstsq or the identity's own error
@@ -275,7 +300,7 @@ class DropAttention(AttentionBudget):
     greedy: bool = False
 
 
-class DropBlock(BlockBudget):
+class DropBlock(RefitStage, BlockBudget):
     """DROP: the blocks whose output is most like their input, wherever they are, dropped."""
 
     method: ClassVar[str] = "drop-block"
@@ -283,14 +308,14 @@ class DropBlock(BlockBudget):
     runs_on_images: ClassVar[bool] = True
 
 
-class SLEB(BlockBudget):
+class SLEB(RefitStage, BlockBudget):
     """SLEB: remove blocks one at a time, each time the one whose removal raises calibration perplexity least."""
 
     method: ClassVar[str] = "sleb"
     runner: ClassVar[str] = "blockfold.methods.sleb:compress_sleb"
 
 
-class PruneComp(BlockBudget):
+class PruneComp(RefitStage, BlockBudget):
     """Prune&Comp: remove blocks one per round by an importance measured on the model as pruned so far,
     and compensate the magnitude each leaves missing with a scalar folded into existing weights."""
 
@@ -302,7 +327,7 @@ class PruneComp(BlockBudget):
     compensate: bool = True  # False: iterative removal alone (the paper's ablation)
 
 
-class LaCo(BlockBudget):
+class LaCo(RefitStage, BlockBudget):
     """LaCo: consecutive blocks collapsed into the first of them (its weights plus the others' differences
     from them), where the collapse keeps the last block's output most like the original model's."""
 

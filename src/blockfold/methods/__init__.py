@@ -3,7 +3,9 @@
 A method is a function of a ``Job`` (model, its own typed settings from ``settings.py``, calibration
 data, a runner for passes) returning its manifest entries. The registry is ``settings.SETTINGS``:
 each settings class names its function (``runner``), so the recipe validates without importing
-this package, and ``METHODS`` here is derived from it.
+this package, and ``METHODS`` here is derived from it. ``run_stages`` chains the stages a recipe asks for:
+the method, then the downstream refit where its settings ask for one and the method does not run it
+within its own surgery.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import importlib
 from typing import Callable
 
 from blockfold.methods.base import Job, PassCache
-from blockfold.settings import SETTINGS
+from blockfold.settings import SETTINGS, RefitStage
 
 
 def _runner(path: str) -> Callable[[Job], dict]:
@@ -23,4 +25,17 @@ def _runner(path: str) -> Callable[[Job], dict]:
 #: method name → function(job) -> manifest entries
 METHODS: dict[str, Callable[[Job], dict]] = {name: _runner(cls.runner) for name, cls in SETTINGS.items()}
 
-__all__ = ["METHODS", "Job", "PassCache"]
+
+
+def run_stages(job: Job) -> dict:
+    """The job's method and the stages after it; returns the manifest entries."""
+    method = METHODS[job.settings.method]
+    settings = job.settings
+    if isinstance(settings, RefitStage) and settings.refit != "none" and not settings.refits_within:
+        from blockfold.methods.refit import refit_after
+
+        return refit_after(job, method)
+    return method(job)
+
+
+__all__ = ["METHODS", "Job", "PassCache", "run_stages"]

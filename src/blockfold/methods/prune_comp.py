@@ -73,7 +73,9 @@ def compress_prune_comp(job: Job) -> dict:
     return {
         "removed_blocks": sorted(removed),
         "compensation": ({"form": "writers after each gap scaled by 1/s (the paper's s on the stream before it)",
-                          "scales": [step["magnitude_gap"] for step in steps]} if settings.compensate else None),
+                          "scales": [step["magnitude_gap"] for step in steps],
+                          "by_block": {step["removed"]: step["magnitude_gap"] for step in steps}}
+                         if settings.compensate else None),
         "selection": {"criterion": f"{settings.importance}_iterative", "order": removed,
                       "score": steps[-1]["importance"], "candidates": steps[0]["candidates"], "steps": steps},
     }

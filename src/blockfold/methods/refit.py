@@ -16,6 +16,12 @@ fitted on the stream after the span, so its refit is ReplaceMe's map on the ``in
 activations instead of the ``hidden``-sized output: a superset of the fold, with the same weights.
 No parameter is added, so the output is the same standard checkpoint as ReplaceMe's.
 
+The refit is a stage: it follows ReplaceMe (and UIDL, which is ReplaceMe's surgery with the identity)
+inside their own surgery, and any other method that removes blocks (drop-block, SLEB, Prune&Comp,
+LaCo) through ``refit_after``, which takes an unedited twin of the model before the method runs and
+records the original streams on it. Where the method compensated the removal (Prune&Comp divides every
+later block's writes by its scale), the targets after each span are divided by the same factors.
+
 The original streams are recorded before the surgery (one pass to the end of the deepest span,
 keeping the input of the first refitted block and the stream after each span); after it, one
 layer-by-layer pass runs the original stream and the compressed one side by side through the kept
@@ -56,6 +62,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from dataclasses import dataclass
 
 import torch
@@ -65,6 +72,7 @@ from blockfold import distributed
 from blockfold.errors import BlockfoldError
 from blockfold.estimate.lstsq import solve_normal_equations
 from blockfold.methods.base import Job
+from blockfold.models.handle import ModelHandle
 from blockfold.pipelines import LayerProgram
 from blockfold.pipelines.buffers import ActivationStore
 from blockfold.progress import bar
@@ -88,12 +96,21 @@ class DownstreamRefit:
     """
 
     def __init__(self, job: Job, spans: list[RemovedSpan], blocks: int, ridge: float, weighting: str = "none",
-                 projections: str = "down", stream_scale: bool = False, sandwich_inputs: bool = False):
+                 projections: str = "down", stream_scale: bool = False, sandwich_inputs: bool = False,
+                 original: ModelHandle | None = None, compensation: list[float] | None = None):
+        """``original``: an unedited twin to record the original streams on, for a refit entered after the
+        removal (default: ``job.handle``, entered before it). ``compensation``: per span, the factor the
+        removal already divided the stream after it by (Prune&Comp's scales, cumulative; default 1)."""
         self.job, self.blocks, self.ridge, self.weighting = job, blocks, ridge, weighting
+        self.original = original if original is not None else job.handle
         self.projections, self.stream_scale, self.sandwich_inputs = projections, stream_scale, sandwich_inputs
         #: refit the attention output projection (attn+down, all) / the projections reading the normed inputs (all)
         self.attention, self.inputs = projections in ("attn+down", "all"), projections == "all"
-        self.spans = sorted(spans, key=lambda span: span.start)
+        order = sorted(range(len(spans)), key=lambda number: spans[number].start)
+        self.spans = [spans[number] for number in order]
+        self.compensation = [compensation[number] for number in order] if compensation else [1.0] * len(spans)
+        #: a span at block 0 has no block before it: the refit starts at the first kept block
+        self.from_start = self.spans[0].start == 0
         self.batches, _ = distributed.shard(list(job.calibration), distributed.current())
         self.store: ActivationStore | None = None
         reasons = {self._not_refittable(layer) for layer in job.handle.layers()}
@@ -114,6 +131,8 @@ class DownstreamRefit:
         except BaseException:
             self.store.close()
             raise
+        finally:
+            self.original = None  # a twin is needed only for the recording: its memory goes now
         return self
 
     def __exit__(self, *exc) -> None:
@@ -124,8 +143,8 @@ class DownstreamRefit:
         """The original model up to the deepest span's end: the input of the block before the first
         span (``input:n``) and the stream after each span (``after{k}:n``), per batch ``n``."""
         ends = {span.start + span.length - 1: number for number, span in enumerate(self.spans)}
-        first = self.spans[0].start - 1
-        program = LayerProgram(self.job.handle, self.batches, self.store, max(ends))
+        first = max(self.spans[0].start - 1, 0)  # from the start, the input of block 0 is the embeddings' output
+        program = LayerProgram(self.original, self.batches, self.store, max(ends))
         show = distributed.current().is_main
         for index in bar(range(max(ends) + 1), desc="refit: the original streams", unit="layer", show=show):
             if index == first:
@@ -148,24 +167,30 @@ class DownstreamRefit:
             return {"projection": projection, "skipped": self.inapplicable, "blocks": []}
         removed_before, gap_blocks = 0, {}
         for number, span in enumerate(self.spans):  # compressed index of the block before each span
-            gap_blocks[span.start - 1 - removed_before] = number
+            if span.start > 0:
+                gap_blocks[span.start - 1 - removed_before] = number
             removed_before += span.length
-        first = min(gap_blocks)
-        refitted_layers = {index for gap in gap_blocks for index in range(gap, min(job.num_layers, gap + self.blocks))}
+        # counted from the block before each span; from the start, the missing block -1 counts too
+        starts = {gap: gap + self.blocks for gap in gap_blocks} | ({0: max(1, self.blocks - 1)} if self.from_start else {})
+        first = min(starts)
+        refitted_layers = {index for gap, end in starts.items() for index in range(gap, min(job.num_layers, end))}
         last = max(refitted_layers)
         program = LayerProgram(job.handle, self.batches, store, last)
         for number in range(len(self.batches)):
             program.set_hidden(number, store.get(f"input:{number}"))
-            store.put(f"original:{number}", store.get(f"input:{number}"))
+            # from the start the compressed block 0 reads the embeddings, and the original the stream after the span
+            store.put(f"original:{number}", store.get(f"after0:{number}") / self.compensation[0] if self.from_start
+                      else store.get(f"input:{number}"))
         report = []
         scale = 1.0  # the product of the stream scales folded so far: the compressed stream is the original's / scale
         show = distributed.current().is_main
         for index in bar(range(first, last + 1), desc="refit: output projections", unit="layer", show=show):
             with program.layer(index) as (block, run):
                 reason = self._not_refittable(block) if index in refitted_layers else None
-                # the first block reads the original stream: its attention has nothing to correct
-                inputs_only = reason is not None and self._inputs_only(block) and index != first
-                corrected = index in refitted_layers and (reason is None or inputs_only) and index != first
+                # the block before the first span reads the original stream: its attention has nothing to correct
+                reads_original = index == first and not self.from_start
+                inputs_only = reason is not None and self._inputs_only(block) and not reads_original
+                corrected = index in refitted_layers and (reason is None or inputs_only) and not reads_original
                 attention = self._attention_projection(block) if corrected and self.attention and reason is None else None
                 norms = self._input_norms(block) if corrected and self.inputs else {}
                 for number in range(len(self.batches)):  # the original stream through this block as it was
@@ -179,7 +204,8 @@ class DownstreamRefit:
                             store.put(f"middle:{number}", source + captured["output"])
                         for name, inputs in normed.items():
                             store.put(f"{name}-input:{number}", inputs["output"])
-                    store.put(f"original:{number}", store.get(f"after{gap_blocks[index]}:{number}") / scale
+                    store.put(f"original:{number}",
+                              store.get(f"after{gap_blocks[index]}:{number}") / (scale * self.compensation[gap_blocks[index]])
                               if index in gap_blocks else output)
                 if reason is not None and not inputs_only:
                     report.append({"block": index, "skipped": reason})
@@ -213,7 +239,8 @@ class DownstreamRefit:
                         "(mean over blocks)", len(refitted), sum(e["relative_error_before"] for e in refitted) / len(refitted),
                         sum(e["relative_error_after"] for e in refitted) / len(refitted))
         return {"projection": projection, "ridge": self.ridge, "weighting": self.weighting, "blocks": report,
-                "stream_scale": self.stream_scale, "note": "block indices are the compressed model's"}
+                "stream_scale": self.stream_scale, "passes": 2,  # the original streams, then the refit
+                "note": "block indices are the compressed model's"}
 
     def _fold_stream_scale(self, gap: int, factor: float) -> None:
         """The refit of block ``gap`` asked for the stream after it ``factor`` times as large: every later
@@ -331,6 +358,42 @@ class DownstreamRefit:
         return result
 
 
+def removed_spans(blocks: list[int]) -> list[RemovedSpan]:
+    """The runs of consecutive block indices in ``blocks``, as spans."""
+    spans: list[RemovedSpan] = []
+    for block in sorted(blocks):
+        if spans and spans[-1].start + spans[-1].length == block:
+            spans[-1] = RemovedSpan(spans[-1].start, spans[-1].length + 1)
+        else:
+            spans.append(RemovedSpan(block, 1))
+    return spans
+
+
+def refit_after(job: Job, method) -> dict:
+    """Run ``method`` (a function of the job that removes blocks and names them, in the original indices,
+    as ``removed_blocks``), then the downstream refit. The original streams are recorded on an unedited
+    twin of the model taken before the method runs, so the method needs to know nothing of the refit: a
+    streamed model's twin reads the same checkpoint, a resident model's is a copy (memory for a second
+    model, released once the streams are recorded)."""
+    settings = job.settings
+    twin = job.handle.fresh_copy()
+    if not twin.resident:  # a new skeleton: the adapter's rewrite applies to it too
+        twin.adapter.prepare(twin)
+    details = method(job)
+    spans = removed_spans(details["removed_blocks"])
+    if not spans:
+        return details
+    scales = (details.get("compensation") or {}).get("by_block", {})
+    compensation = [math.prod(factor for block, factor in scales.items() if block < span.start + span.length)
+                    for span in spans]
+    with DownstreamRefit(job, spans, settings.refit_blocks, settings.refit_ridge, settings.refit_weighting,
+                         projections=settings.refit, stream_scale=settings.refit_scale,
+                         sandwich_inputs=settings.refit_sandwich, original=twin, compensation=compensation) as refit:
+        del twin
+        details["refit"] = refit.apply()
+    return details
+
+
 @contextlib.contextmanager
 def _captured(linear: nn.Linear):
     """The inputs and output of ``linear`` in the forward run inside the block."""
@@ -346,4 +409,4 @@ def _captured(linear: nn.Linear):
         hook.remove()
 
 
-__all__ = ["DownstreamRefit", "RemovedSpan"]
+__all__ = ["DownstreamRefit", "RemovedSpan", "refit_after", "removed_spans"]
