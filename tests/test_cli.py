@@ -3,6 +3,7 @@ a tiny model goes through compress and eval and reloads without blockfold instal
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -75,9 +76,10 @@ def test_recipe_file_with_flag_override(capsys, tiny_folder, corpus, tmp_path):
     recipe.write_text(Recipe(blocks=3, estimator="cosine", calibration={"num_sequences": 8, "sequence_length": 32}).to_yaml())
     out = tmp_path / "out"
     assert main(["compress", "--model", str(tiny_folder), "--calib", str(corpus), "--out", str(out),
-                 "--recipe", str(recipe), "--blocks", "2", "--cosine-steps", "5"]) == 0
+                 "--recipe", str(recipe), "--blocks", "2", "--set", "cosine.steps=5"]) == 0
     manifest = json.loads((out / MANIFEST_NAME).read_text())
     assert manifest["recipe"]["settings"]["blocks"] == 2 and manifest["recipe"]["settings"]["estimator"] == "cosine"
+    assert manifest["recipe"]["settings"]["cosine"]["steps"] == 5
     assert manifest["transform"]["numerical_fit"]["loss_end"] <= manifest["transform"]["numerical_fit"]["loss_start"]
 
 
@@ -424,3 +426,51 @@ def test_renamed_flags_still_work_for_one_release_and_name_the_new_one(argv, new
     assert getattr(build_parser().parse_args(argv), dest) == value
     assert f"is now {new}" in capsys.readouterr().err
     assert argv[-2] not in build_parser()._subparsers._group_actions[0].choices[argv[0]].format_help()  # not in --help
+
+
+@pytest.mark.parametrize("old, key", [("--cosine-steps", "cosine.steps"), ("--text-field", "calibration.text_field"),
+                                      ("--gen-temperature", "calibration.generation_temperature")])
+def test_flags_that_became_set_keys_still_work_for_one_release(old, key, capsys):
+    """A rare setting's own flag became a --set key: the old flag gives the same recipe and says the new form."""
+    from blockfold.cli import _recipe_from_args, build_parser
+
+    value = "body" if "field" in key else "5" if "steps" in key else "0.7"
+    argv = ["compress", "--model", "m", "--out", "o", "--estimator", "cosine"]
+    old_recipe = _recipe_from_args(build_parser().parse_args([*argv, old, value]))
+    assert f"is now --set {key}=VALUE" in capsys.readouterr().err
+    assert old_recipe == _recipe_from_args(build_parser().parse_args([*argv, "--set", f"{key}={value}"]))
+    assert old not in build_parser()._subparsers._group_actions[0].choices["compress"].format_help()
+
+
+def test_set_reaches_any_setting_and_refuses_what_the_method_lacks():
+    from blockfold.cli import _recipe_from_args, build_parser
+    from blockfold.errors import BlockfoldError
+
+    def recipe(*flags):
+        return _recipe_from_args(build_parser().parse_args(["compress", "--model", "m", "--out", "o", *flags]))
+
+    assert recipe("--set", "refit_ridge=0.1", "--set", "calibration.padding_side=left").settings.refit_ridge == 0.1
+    assert recipe("--set", "cosine.l1_penalty=0.5").settings.cosine.l1_penalty == 0.5
+    assert recipe("--method", "sleb", "--set", "refit=all").settings.refit == "all"
+    with pytest.raises(BlockfoldError, match="merge_layers does not apply to method 'sleb'"):
+        recipe("--method", "sleb", "--set", "merge_layers=3")
+    with pytest.raises(BlockfoldError, match="give KEY=VALUE"):
+        recipe("--set", "refit_ridge")
+
+
+def test_compress_help_is_short_and_derived_from_the_registry(monkeypatch):
+    """Under 100 lines at 100 columns; every method setting's flag in its method's group (or the budget's,
+    or the refit stage's), so a new setting is in --help by being declared."""
+    from blockfold.cli import build_parser, setting_flags
+    from blockfold.settings import SETTINGS
+
+    monkeypatch.setenv("COLUMNS", "100")
+    compress = build_parser()._subparsers._group_actions[0].choices["compress"]
+    text = compress.format_help()
+    assert len(text.splitlines()) < 100, len(text.splitlines())
+    titles = {group.title: {a.dest for a in group._group_actions if a.help != argparse.SUPPRESS}
+              for group in compress._action_groups}
+    for dest, (field, methods) in setting_flags().items():
+        owner = next(title for title, dests in titles.items() if dest in dests)
+        assert owner in ("method and budget", methods[0]) or owner.startswith("refit stage"), (dest, owner)
+        assert SETTINGS[methods[0]].model_fields[field].description.split(" (")[0] in text.replace("\n", " ")

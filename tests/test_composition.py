@@ -30,7 +30,7 @@ from conftest import checkpoint_tensors, tiny_model, tiny_tokenizer
 from simulated_device import DEVICE, simulated_accelerator
 
 import blockfold
-from blockfold.cli import SETTINGS_FLAGS, main
+from blockfold.cli import main, setting_flags
 from blockfold.errors import BlockfoldError
 from blockfold.pipelines import persist
 from blockfold.runtime import DTYPES, Execution
@@ -140,7 +140,7 @@ def _cli(argv: list[str], out: Path, capsys) -> Outcome:
 
 
 def _flags(settings: dict) -> list[str]:
-    by_field = {field: flag for flag, field in SETTINGS_FLAGS.items()}
+    by_field = {field: dest for dest, (field, _) in setting_flags().items()}
     argv = []
     for field, value in settings.items():
         flag = "--" + by_field[field].replace("_", "-")

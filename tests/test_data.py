@@ -70,7 +70,7 @@ def test_dolly_records_and_text_field(tmp_path):
     assert calibration.description["sequences"] == 3 and not calibration.description["packed"]
     custom = tmp_path / "custom.jsonl"
     custom.write_text("\n".join(json.dumps({"body": _words(40)}) for _ in range(3)))
-    with pytest.raises(BlockfoldError, match="--text-field"):
+    with pytest.raises(BlockfoldError, match="--set calibration.text_field=NAME"):
         build_calibration(CalibrationConfig(source=str(custom), sequence_length=16), tiny_tokenizer())
     config = CalibrationConfig(source=str(custom), num_sequences=2, sequence_length=16, text_field="body")
     assert build_calibration(config, tiny_tokenizer()).description["sequences"] == 2

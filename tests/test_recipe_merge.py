@@ -12,14 +12,21 @@ import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from blockfold.cli import BUDGET_FIELDS, CALIBRATION_FLAGS, SETTINGS_FLAGS, _recipe_from_args, build_parser
+import argparse
+
+from blockfold.cli import BUDGET_FIELDS, CALIBRATION_FLAGS, _recipe_from_args, build_parser, setting_flags
 from blockfold.errors import BlockfoldError
 from blockfold.recipe import Recipe
 from blockfold.settings import SETTINGS, CosineConfig
 
-#: flags that argparse takes as switches (their value is the switch given or not)
-STORE_TRUE = {"greedy"}
-BOOLEAN_OPTIONAL = {"compensate", "refit_scale", "refit_sandwich"}
+#: every method setting's flag (its dest) → its field, from the registry
+SETTINGS_FLAGS = {dest: field for dest, (field, _) in setting_flags().items()}
+_COMPRESS = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices["compress"]
+#: flags that argparse takes as switches (their value is the switch given or not), as the parser has them
+STORE_TRUE = {a.dest for a in _COMPRESS._actions if isinstance(a, argparse._StoreTrueAction)} & set(SETTINGS_FLAGS)
+BOOLEAN_OPTIONAL = {a.dest for a in _COMPRESS._actions if isinstance(a, argparse.BooleanOptionalAction)}
+#: the nested settings, given as --set KEY=VALUE (``set:`` before the dotted key)
+NESTED = [f"set:cosine.{field}" for field in CosineConfig.model_fields]
 CALIBRATION_VALUES = {"num_seqs": st.integers(1, 96), "seq_len": st.sampled_from([16, 128, 512]),
                       "seed": st.integers(0, 3), "batch_size": st.integers(1, 8)}
 
@@ -42,6 +49,10 @@ def _values_of(annotation, field) -> st.SearchStrategy:
     raise TypeError(f"no strategy for {annotation!r} ({field})")
 
 
+def _field_of(flag: str) -> str:
+    return flag.removeprefix("set:") if flag.startswith("set:") else SETTINGS_FLAGS[flag]
+
+
 def _field_info(method: str, dotted: str):
     fields = SETTINGS[method].model_fields
     head, _, leaf = dotted.partition(".")
@@ -50,7 +61,7 @@ def _field_info(method: str, dotted: str):
 
 def _flags_of(method: str) -> list[str]:
     fields = SETTINGS[method].model_fields
-    return [flag for flag, dotted in SETTINGS_FLAGS.items() if dotted.split(".")[0] in fields]
+    return [flag for flag, field in SETTINGS_FLAGS.items() if field in fields] + (NESTED if "cosine" in fields else [])
 
 
 @st.composite
@@ -58,7 +69,7 @@ def _given(draw, method: str) -> dict:
     """Some of the method's flags (and calibration flags) with values."""
     chosen = {}
     for flag in draw(st.lists(st.sampled_from(_flags_of(method)), max_size=5, unique=True)):
-        value = draw(_values_of(_field_info(method, SETTINGS_FLAGS[flag]).annotation, flag))
+        value = draw(_values_of(_field_info(method, _field_of(flag)).annotation, flag))
         if flag in STORE_TRUE and not value:
             continue  # a switch cannot say False on the command line
         if flag == "spans" and not isinstance(value, int):
@@ -73,7 +84,9 @@ def _argv(values: dict) -> list[str]:
     argv = []
     for flag, value in values.items():
         name = "--" + flag.replace("_", "-")
-        if flag in STORE_TRUE:
+        if flag.startswith("set:"):
+            argv += ["--set", f"{_field_of(flag)}={value}"]
+        elif flag in STORE_TRUE:
             argv.append(name)
         elif flag in BOOLEAN_OPTIONAL:
             argv.append(name if value else "--no-" + flag.replace("_", "-"))
@@ -89,7 +102,7 @@ def _file(values: dict, method: str | None) -> dict:
         if flag in CALIBRATION_FLAGS:
             calibration[CALIBRATION_FLAGS[flag]] = value
             continue
-        *parents, leaf = SETTINGS_FLAGS[flag].split(".")
+        *parents, leaf = _field_of(flag).split(".")
         target = settings
         for key in parents:
             target = target.setdefault(key, {})

@@ -52,7 +52,11 @@ def test_every_registered_method_runs_and_is_listed(capsys):
     for name, cls in SETTINGS.items():
         assert f"{name}{' (default)' if name == DEFAULT_METHOD else ''}: {cls.summary()}" in out
         assert cls.summary() and "``" not in cls.summary()
-    assert "    refit: all" in out and "    blocks: 8" in out  # defaults as a run resolves them
+    # defaults as a run resolves them, each with its description
+    assert re.search(r"\n    refit = all +projections refitted after removal\n", out)
+    assert re.search(r"\n    blocks = 8 +blocks to remove", out) and "    cosine.steps = 60" in out
+    assert main(["methods", "sleb"]) == 0
+    assert capsys.readouterr().out.startswith(f"sleb: {SETTINGS['sleb'].summary()}\n    blocks = 8")
 
 
 def test_method_flag_offers_the_registry(capsys, tmp_path):

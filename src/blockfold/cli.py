@@ -19,35 +19,16 @@ from blockfold.jsonfile import check_json_target, write_json
 DATA_DIR = Path(os.environ.get("BLOCKFOLD_DATA", "../shared/data"))
 DEFAULT_PPL_TEXT = DATA_DIR / "wikitext2_test.txt"
 
-# CLI flag → dotted field of the method's settings; a flag the chosen method has no field for is an error.
-SETTINGS_FLAGS = {
-    "blocks": "blocks", "ratio": "ratio", "estimator": "estimator", "ridge_alpha": "ridge_alpha",
-    "criterion": "criterion", "span_start": "span_start", "attn": "attention_layers",
-    "linearity_criterion": "linearity_criterion", "greedy": "greedy", "sandwich_fold": "sandwich_fold",
-    "rank": "rank", "spans": "spans", "cosine_l1": "cosine.l1_penalty", "cosine_tokens": "cosine.max_tokens",
-    "cosine_steps": "cosine.steps", "importance": "importance", "compensate": "compensate",
-    "merge_layers": "merge_layers", "similarity_sequences": "similarity_sequences", "patch": "patch",
-    "train_steps": "train_steps", "lr": "learning_rate",
-    "refit": "refit", "refit_blocks": "refit_blocks", "refit_ridge": "refit_ridge",
-    "refit_weighting": "refit_weighting", "refit_scale": "refit_scale", "refit_sandwich": "refit_sandwich",
-    "span_scoring": "span_scoring",
-}
-# CLI flag → field of the calibration config
-CALIBRATION_FLAGS = {
-    "text_template": "text_template", "gen_temperature": "generation_temperature", "gen_top_p": "generation_top_p",
-    "calib": "source", "num_seqs": "num_sequences", "seq_len": "sequence_length", "calib_docs": "max_documents",
-    "text_field": "text_field", "batch_size": "batch_size", "padding_side": "padding_side", "seed": "seed",
-}
+# CLI flag → field of the calibration config (the rarer fields: --set calibration.FIELD=VALUE)
+CALIBRATION_FLAGS = {"calib": "source", "num_seqs": "num_sequences", "seq_len": "sequence_length",
+                     "calib_docs": "max_documents", "batch_size": "batch_size", "seed": "seed"}
 BUDGET_FIELDS = ("blocks", "attention_layers", "ratio")
-
-
-def _span_count(value: str) -> int | str:
-    if value == "auto":
-        return value
-    try:
-        return int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--spans takes a number of spans or auto, not {value!r}") from None
+# flags that became --set keys, kept for one release
+MOVED_TO_SET = {"--cosine-l1": "cosine.l1_penalty", "--cosine-tokens": "cosine.max_tokens",
+                "--cosine-steps": "cosine.steps", "--text-template": "calibration.text_template",
+                "--gen-temperature": "calibration.generation_temperature",
+                "--gen-top-p": "calibration.generation_top_p", "--text-field": "calibration.text_field",
+                "--padding-side": "calibration.padding_side"}
 
 
 class _Renamed(argparse.Action):
@@ -66,16 +47,17 @@ def _renamed(parser: argparse.ArgumentParser, old: str, new: str, **kwargs) -> N
     parser.add_argument(old, action=_Renamed, new=new, dest=new.lstrip("-").replace("-", "_"), **kwargs)
 
 
-def _choices(field: str) -> list[str]:
-    """The literal values a settings field accepts, so flags and settings never disagree."""
-    from typing import Literal, get_args, get_origin
+class _MovedToSet(argparse.Action):
+    """A flag that became a ``--set`` key, kept for one release: it adds ``KEY=VALUE`` and says so."""
 
-    from blockfold.settings import SETTINGS
+    def __init__(self, option_strings, dest, field: str, **kwargs):
+        super().__init__(option_strings, "set_values", help=argparse.SUPPRESS, **kwargs)
+        self.field = field
 
-    annotation = next(cls.model_fields[field].annotation for cls in SETTINGS.values() if field in cls.model_fields)
-    while get_origin(annotation) is not Literal:  # unwrap Optional[Literal[...]]
-        annotation = next(arg for arg in get_args(annotation) if arg is not type(None))
-    return list(get_args(annotation))
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"blockfold: {option_string} is now --set {self.field}=VALUE (the old name goes in the next release)",
+              file=sys.stderr)
+        namespace.set_values = [*(namespace.set_values or []), f"{self.field}={values}"]
 
 
 def _byte_size(text: str) -> int:
@@ -90,33 +72,28 @@ def _byte_size(text: str) -> int:
 
 
 def _add_execution(p, pipeline: bool = True, save: bool = False) -> None:
-    """Where and in what precision the command runs a model (and, for ``pipeline``, how its layers run)."""
+    """Where and in what precision the command runs a model (and, for ``pipeline``, how its layers run);
+    docs/scale-out.md explains each choice."""
+    dtypes = ["auto", "float32", "bfloat16", "float16"]
     group = p.add_argument_group("execution")
-    group.add_argument("--device", default="auto", help="auto (a GPU when there is one), cpu, cuda, cuda:N")
-    group.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
-                       help="the weights' precision while running (statistics are always float64); auto: float32 on a "
-                            "CPU, the checkpoint's own dtype on a GPU")
+    group.add_argument("--device", default="auto", help="auto (a GPU if there is one), cpu, cuda, cuda:N")
+    group.add_argument("--dtype", choices=dtypes, default="auto", metavar="NAME",
+                       help="while running: auto (CPU float32, GPU as saved)|" + "|".join(dtypes[1:]))
     if save:
-        group.add_argument("--save-dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
-                           help="precision of the saved checkpoint; auto: the source checkpoint's")
+        group.add_argument("--save-dtype", choices=dtypes, default="auto", metavar="NAME",
+                           help="the saved checkpoint's: auto (the source's)|" + "|".join(dtypes[1:]))
     if pipeline:
-        group.add_argument("--pipeline", choices=["auto", "whole", "sequential"], default="auto",
-                           help="whole: the model resident; sequential: one layer at a time from the checkpoint "
-                                "(the whole model is never in memory); auto: whole when the weights fit easily")
-        group.add_argument("--offload", choices=["auto", "none", "cpu", "disk"], default="auto",
-                           help="where activations wait between layers: auto (on the device while they take at most "
-                                "half its free memory, then CPU memory, then disk), none (the device), cpu, disk")
-        group.add_argument("--offload-dir", help="folder for activations spilled to disk (--offload disk or auto; "
-                                                 "default: the system's temporary folder)")
-        group.add_argument("--chunk-sequences", type=int,
-                           help="sequences run through each layer together (sequential: weights are read once per "
-                                "chunk; whole: the most in one forward); default: as many as a memory budget allows")
-        group.add_argument("--stats-memory", type=_byte_size,
-                           help="memory the float64 statistics may take, e.g. 2GiB (default: a quarter of the free "
-                                "memory); beyond it span candidates are screened first (one more pass)")
+        group.add_argument("--pipeline", choices=["auto", "whole", "sequential"], default="auto", metavar="NAME",
+                           help="auto|whole (resident)|sequential (one layer at a time)")
+        group.add_argument("--offload", choices=["auto", "none", "cpu", "disk"], default="auto", metavar="NAME",
+                           help="where activations wait between layers: auto|none (the device)|cpu|disk")
+        group.add_argument("--offload-dir", metavar="DIR", help="folder for activations spilled to disk (default: temp)")
+        group.add_argument("--chunk-sequences", type=int, metavar="N",
+                           help="sequences through each layer together (default: what memory allows)")
+        group.add_argument("--stats-memory", type=_byte_size, metavar="SIZE",
+                           help="memory for the statistics, e.g. 2GiB (default: free/4)")
         group.add_argument("--stats-cache", metavar="DIR",
-                           help="folder of finished calibration passes shared by commands: a pass over the same "
-                                "weights, calibration tokens and statistics is loaded from it instead of run")
+                           help="folder of finished passes, reused on the same inputs")
 
 
 def _execution_from_args(args):
@@ -127,110 +104,158 @@ def _execution_from_args(args):
 
 
 def _add_compress(sub) -> None:
-    from blockfold.settings import DEFAULT_METHOD, SETTINGS
-
-    p = sub.add_parser("compress", help="compress a model and save a standard checkpoint")
-    p.add_argument("--model", required=True, help="built-in name (smollm2-135m, gemma3-270m), HF folder, .gguf or hub id")
-    p.add_argument("--recipe", help="YAML recipe; flags given here override it")
-    p.add_argument("--out", required=True, help="output folder (refused if it exists, unless --overwrite)")
-    p.add_argument("--overwrite", action="store_true")
-    p.add_argument("--no-resume", action="store_true",
-                   help="start afresh: the calibration passes are checkpointed in .<out>.resume beside --out, and the "
-                        "same command after a crash resumes from there unless this is given")
-    p.add_argument("--checkpoint-seconds", type=float,
-                   help="seconds between checkpoints of a pass (default: at least 10, and at most 5%% of the pass "
-                        "spent writing them)")
-    p.add_argument("--method", metavar="METHOD",  # checked with the recipe, so a wrong name is one line naming them
-                   help=f"{DEFAULT_METHOD} (default) or another method of `blockfold methods`: {', '.join(SETTINGS)}")
-    p.add_argument("--blocks", type=int, help="number of blocks to remove or linearize (block methods)")
-    p.add_argument("--attn", type=int, help="number of attention layers to linearize or drop (nbl, drop-attn)")
-    p.add_argument("--ratio", type=float, help="share of blocks (or attention layers) instead of --blocks/--attn")
-    p.add_argument("--linearity-criterion", choices=["auto", "cca", "nmse", "cosine", "stream"],
-                   help="nbl/nbl-block: rank layers by cosine distance, CCA bound (the NBL paper's), LMMSE NMSE, or "
-                        "LMMSE error relative to the residual stream; nbl's default auto ranks by nmse where "
-                        "attention's output is normed before the residual add (Gemma) and by cosine elsewhere, "
-                        "each measured best there; nbl-block's default is cosine")
-    p.add_argument("--greedy", action="store_true", default=None,
-                   help="recompute statistics after each replacement (k passes); replaceme: remove one block per "
-                        "round, wherever it is, the one whose removal after its own fitted map loses least")
-    p.add_argument("--estimator", choices=_choices("estimator"),
-                   help="the span's map: lstsq (default), diagonal, orthogonal, lowrank (--rank), cosine (numerical), "
-                        "identity (plain removal)")
-    p.add_argument("--span-scoring", choices=_choices("span_scoring"),
-                   help="replaceme: compare (the default for one span): where the lstsq map and the folded map score "
-                        "different spans best, build both and keep the lower held-out calibration loss; lstsq: the "
-                        "lstsq map's scores whatever is folded (recipe versions 7-11, and with several spans); "
-                        "estimator: the folded map's own (versions up to 6)")
-    p.add_argument("--rank", type=int, help="lowrank: rank of the correction to the identity (default 32)")
-    p.add_argument("--span-start", type=int, help="remove the span starting at this block instead of selecting one")
-    p.add_argument("--spans", type=_span_count,
-                   help="replaceme/uidl: remove this many non-overlapping spans sharing --blocks; replaceme also takes "
-                        "auto: build the model with 1, 2 and 3 spans and keep the lowest loss on held-out calibration "
-                        "sequences")
-    p.add_argument("--ridge-alpha", type=float, help="L2 penalty of the closed-form fits")
-    p.add_argument("--cosine-l1", type=float, help="cosine estimator: L1 penalty on the transform")
-    p.add_argument("--criterion", choices=_choices("criterion"),
-                   help="span selection (default: " + ", ".join(f"{cls.model_fields['criterion'].default} for {name}" for name, cls in SETTINGS.items() if "criterion" in cls.model_fields) + ")")
-    p.add_argument("--importance", choices=_choices("importance"),
-                   help="prune-comp: which block goes each round: block_influence (default, 1 - cos(in, out)) or "
-                        "perplexity (calibration perplexity with the block skipped)")
-    p.add_argument("--compensate", action=argparse.BooleanOptionalAction, default=None,
-                   help="prune-comp: fold the magnitude compensation (default); --no-compensate removes blocks only")
-    p.add_argument("--merge-layers", type=int,
-                   help="laco: blocks collapsed into one per merge (default 4; the last merge takes what the budget leaves)")
-    p.add_argument("--similarity-sequences", type=int,
-                   help="laco: calibration sequences the merged model's last-layer output is compared on (default 8)")
-    p.add_argument("--patch", choices=_choices("patch"),
-                   help="linear-patch: hadamard (default, the paper's H D H^T from rotated magnitudes) or full (least "
-                        "squares on the residual stream)")
-    p.add_argument("--train-steps", type=int,
-                   help="streamline: Adam steps training the block that replaces the span (default 200; 0: untrained)")
-    p.add_argument("--lr", type=float, help="streamline: learning rate of that training (default 1e-4)")
-    _renamed(p, "--train-lr", "--lr", type=float)
-    p.add_argument("--refit", choices=_choices("refit"),
-                   help="replaceme: after the surgery, refit from the block before each span onward to the original "
-                        "stream, layer by layer in closed form. down: the down-projections; attn+down: each block's "
-                        "attention output projection first, then its down-projection; all (the default): also the "
-                        "projections that read each sublayer's normed input (q, k, v, gate, up), fitted so that on the "
-                        "compressed stream they compute what the original block did; none: plain ReplaceMe")
-    p.add_argument("--refit-blocks", type=int, help="replaceme --refit: how many blocks per span, from the one before it "
-                                                    "(default 3 with all, 2 with down and attn+down)")
-    p.add_argument("--refit-ridge", type=float, help="replaceme --refit: ridge toward the current weights, relative "
-                                                     "to the mean input energy (default 0.01)")
-    p.add_argument("--refit-weighting", choices=_choices("refit_weighting"),
-                   help="replaceme --refit: each token's error as it is (none) or relative to the stream (stream)")
-    p.add_argument("--refit-scale", action=argparse.BooleanOptionalAction, default=None,
-                   help="replaceme --refit: fit one scalar on the stream after each span with the refit of the block "
-                        "before it, folded into the later blocks' output projections, no parameter added (the default; "
-                        "--no-refit-scale: the weights alone, as recipe version 8)")
-    p.add_argument("--refit-sandwich", action=argparse.BooleanOptionalAction, default=None,
-                   help="replaceme --refit all: in blocks whose MLP output passes a norm (Gemma's sandwich blocks), whose "
-                        "outputs cannot be refitted, still correct the projections that read the normed inputs (the "
-                        "default with all; --no-refit-sandwich: leave them, as recipe version 10)")
-    p.add_argument("--sandwich-fold", choices=["auto", "compare", "linearized-norm", "through-norm"],
-                   help="Gemma-style post-MLP norms: how to fold the map (default auto: linearized-norm, through-norm "
-                        "where that fit fails; compare: the lower loss on held-out calibration tokens)")
-    p.add_argument("--calib", help="calibration .txt/.jsonl/.json, a datasets folder (save_to_disk) or dataset name; "
-                                    "a weighted mix 'a.jsonl:0.5,b.json:0.5'; omit for self-generated text")
-    p.add_argument("--text-template", help="render records with a template, e.g. '{support}\\n{question}\\n{correct_answer}'")
-    p.add_argument("--gen-temperature", type=float, help="self-generated calibration: sampling temperature (default 1.0)")
-    p.add_argument("--gen-top-p", type=float, help="self-generated calibration: nucleus sampling top-p (default 0.95)")
-    p.add_argument("--num-seqs", type=int, help="calibration sequences (default 64)")
-    p.add_argument("--seq-len", type=int, help="calibration sequence length (default 512)")
-    p.add_argument("--calib-docs", type=int, help="use only the first N documents")
-    p.add_argument("--text-field")
-    p.add_argument("--batch-size", type=int)
-    p.add_argument("--padding-side", choices=["right", "left"])
-    p.add_argument("--seed", type=int)
-    p.add_argument("--cosine-tokens", type=int, help="token subsample for numerical fits")
-    p.add_argument("--cosine-steps", type=int, help="L-BFGS iterations for numerical fits")
-    p.add_argument("--ppl", nargs="?", const=str(DEFAULT_PPL_TEXT), help="also measure perplexity before/after on this text")
-    p.add_argument("--ppl-seq-len", type=int, default=512)
-    p.add_argument("--ppl-windows", type=int, default=None, help="first N windows only (default: whole text)")
+    p = sub.add_parser("compress", help="compress a model and save a standard checkpoint",
+                       usage="blockfold compress --model MODEL --out DIR [--method METHOD] [--blocks N] [options]",
+                       description="Compress a model and save a standard checkpoint. A method's settings are the "
+                                   "flags of its group, or --set KEY=VALUE (blockfold methods; docs/cli.md).",
+                       formatter_class=_CompactHelp)
+    p.add_argument("--model", required=True, help="built-in name (smollm2-135m, ...), HF folder, .gguf or hub id")
+    p.add_argument("--out", required=True, metavar="DIR", help="output folder (refused if it exists)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    p.add_argument("--recipe", metavar="YAML", help="recipe file; flags given here override it")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", dest="set_values",
+                   help="any method setting or calibration.FIELD, e.g. cosine.steps=100")
     p.add_argument("--dry-run", nargs="?", const="", metavar="GPU_MEMORY",
-                   help="print the memory and time plan for this model (a folder or a config.json) and recipe, and "
-                        "stop; with a size (e.g. 80GiB), plan for an accelerator with that much memory")
+                   help="print the memory and time plan and stop (e.g. for 80GiB)")
+    p.add_argument("--ppl", nargs="?", const=str(DEFAULT_PPL_TEXT), metavar="TEXT",
+                   help="also measure perplexity before and after (WikiText-2)")
+    p.add_argument("--ppl-seq-len", type=int, default=512, metavar="N", help="perplexity window length")
+    p.add_argument("--ppl-windows", type=int, default=None, metavar="N", help="first N windows only")
+    p.add_argument("--no-resume", action="store_true", help="start afresh instead of resuming .<out>.resume")
+    p.add_argument("--checkpoint-seconds", type=float, metavar="S", help="seconds between checkpoints of a pass")
+    _add_method_settings(p)
+    group = p.add_argument_group("calibration")
+    group.add_argument("--calib", metavar="SOURCE", help="file, dataset or mix 'a:0.5,b:0.5' (default: self-generated)")
+    group.add_argument("--num-seqs", type=int, metavar="N", help="calibration sequences (default 64)")
+    group.add_argument("--seq-len", type=int, metavar="N", help="calibration sequence length (default 512)")
+    group.add_argument("--calib-docs", type=int, metavar="N", help="use only the first N documents")
+    group.add_argument("--batch-size", type=int, metavar="N", help="calibration sequences per forward (default 8)")
+    group.add_argument("--seed", type=int, metavar="N", help="for sampling and token subsamples (default 0)")
+    _renamed(p, "--train-lr", "--lr", type=float)
+    for old, field in MOVED_TO_SET.items():
+        p.add_argument(old, action=_MovedToSet, field=field)
     _add_execution(p, save=True)
+
+
+class _CompactHelp(argparse.HelpFormatter):
+    """Help with each option on one line where the terminal allows: a switch and its negation as
+    ``--[no-]name``, the help in a column wide enough for the longest flag."""
+
+    def __init__(self, prog: str) -> None:
+        # a terminal's own width; piped (docs, `| less`), 100 columns
+        super().__init__(prog, max_help_position=30, width=shutil.get_terminal_size((100, 24)).columns)
+
+    def _format_action_invocation(self, action: argparse.Action) -> str:
+        if isinstance(action, argparse.BooleanOptionalAction):
+            return "--[no-]" + action.option_strings[0].removeprefix("--")
+        return super()._format_action_invocation(action)
+
+
+def _annotation_parts(annotation) -> tuple[set, list]:
+    """The plain types and the literal values a settings field's annotation admits."""
+    from typing import Annotated, Literal, Union, get_args, get_origin
+    import types
+
+    origin = get_origin(annotation)
+    if origin is Literal:
+        return set(), list(get_args(annotation))
+    if origin in (Union, types.UnionType):
+        kinds, literals = set(), []
+        for arg in get_args(annotation):
+            more_kinds, more_literals = _annotation_parts(arg)
+            kinds |= more_kinds
+            literals += more_literals
+        return kinds, literals
+    if origin is Annotated:
+        return _annotation_parts(get_args(annotation)[0])
+    return ({annotation} - {type(None)}), []
+
+
+def _number_or(literals: list[str], flag: str):
+    def parse(value: str):
+        if value in literals:
+            return value
+        try:
+            return int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--{flag} takes a number or {' or '.join(literals)}, not {value!r}") from None
+    return parse
+
+
+def _setting_argument(dest: str, info) -> dict:
+    """argparse's keywords for a settings field: its type, choices or switch, from its annotation."""
+    kinds, literals = _annotation_parts(info.annotation)
+    if bool in kinds:
+        switch = "store_true" if info.default is False else argparse.BooleanOptionalAction
+        return {"action": switch, "default": None}
+    if literals and int in kinds:
+        return {"type": _number_or(literals, dest.replace("_", "-")), "metavar": "N|" + "|".join(literals)}
+    if literals:
+        return {"choices": literals, "metavar": "NAME"}
+    if int in kinds:
+        return {"type": int, "metavar": "N"}
+    return {"type": float, "metavar": "X"}
+
+
+def _defaults_text(field: str, methods: list[str]) -> str:
+    """``default X``, or the default of each method where they differ, as a run resolves them."""
+    from blockfold.settings import SETTINGS
+
+    by_value: dict[str, list[str]] = {}
+    for method in methods:
+        value = getattr(SETTINGS[method](), field)
+        by_value.setdefault({True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value,
+                            []).append(method)
+    first = next(iter(by_value))
+    if first is None:
+        return ""
+    return f"{methods[0]}: {first}" if len(by_value) > 1 else f"default {first}"
+
+
+def _add_method_settings(p: argparse.ArgumentParser) -> None:
+    """--method, the budget, the refit stage and each method's own settings, one argparse group each,
+    every flag derived from the registry (settings.SETTINGS): its name, type, choices and help."""
+    from blockfold.settings import DEFAULT_METHOD, SETTINGS, RefitStage
+
+    flags = setting_flags()
+    group = p.add_argument_group("method and budget")
+    group.add_argument("--method", metavar="METHOD",  # checked with the recipe: a wrong name is one line naming them
+                       help=f"{DEFAULT_METHOD} (default), {', '.join(list(SETTINGS)[1:])}")
+    groups = {"method and budget": group}
+    for dest, (field, methods) in flags.items():
+        if field in BUDGET_FIELDS:
+            title = "method and budget"
+        elif field in RefitStage.model_fields:
+            title = f"refit stage ({', '.join(methods)})"
+        else:
+            title = methods[0]
+        if title not in groups:
+            groups[title] = p.add_argument_group(title)
+        info = SETTINGS[methods[0]].model_fields[field]
+        kinds, literals = _annotation_parts(info.annotation)
+        choices = f": {'|'.join(literals)}" if literals and not kinds else ""
+        default = "" if field in BUDGET_FIELDS else _defaults_text(field, methods)
+        help_text = f"{info.description}{choices}{f' ({default})' if default else ''}".replace("%", "%%")
+        groups[title].add_argument("--" + dest.replace("_", "-"), dest=dest, help=help_text,
+                                   **_setting_argument(dest, info))
+
+
+def setting_flags() -> dict[str, tuple[str, list[str]]]:
+    """Every method setting's command-line flag, from the registry: its argparse dest (the field's
+    name, or the ``flag`` its field names) → (the field, the methods that have it, in registry order).
+    Nested settings (ReplaceMe's ``cosine``) are set with ``--set cosine.FIELD=VALUE``."""
+    from pydantic import BaseModel
+
+    from blockfold.settings import SETTINGS
+
+    flags: dict[str, tuple[str, list[str]]] = {}
+    for method, cls in SETTINGS.items():
+        for field, info in cls.model_fields.items():
+            if isinstance(info.annotation, type) and issubclass(info.annotation, BaseModel):
+                continue
+            dest = (info.json_schema_extra or {}).get("flag", field)
+            flags.setdefault(dest, (field, []))[1].append(method)
+    return flags
 
 
 def _add_eval(sub) -> None:
@@ -362,12 +387,39 @@ def _add_export(sub) -> None:
 
 def _method_flags(fields) -> list[str]:
     """The command-line flags of a method's settings ``fields``."""
-    return ["--" + flag.replace("_", "-") for flag, field in SETTINGS_FLAGS.items() if field.split(".")[0] in fields]
+    return ["--" + dest.replace("_", "-") for dest, (field, _) in setting_flags().items() if field in fields]
+
+
+def _set_values(pairs: list[str]) -> dict[str, object]:
+    """``--set`` pairs as dotted key → value (YAML scalars: numbers, true/false, null, text)."""
+    import yaml
+
+    values = {}
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        if not sep or not key.strip():
+            raise BlockfoldError(f"--set {pair!r}: give KEY=VALUE, e.g. --set refit_ridge=0.1 or --set cosine.steps=100 "
+                                 "(the keys: blockfold methods)")
+        try:
+            values[key.strip()] = yaml.safe_load(text) if text.strip() else None
+        except yaml.YAMLError:
+            values[key.strip()] = text
+    return values
+
+
+def _put(target: dict, dotted: str, value) -> None:
+    """``target[a][b] = value`` for ``dotted`` ``a.b``."""
+    *parents, leaf = dotted.split(".")
+    for key in parents:
+        target = target.setdefault(key, {})
+        if not isinstance(target, dict):
+            raise BlockfoldError(f"--set {dotted}: {key} is not a group of settings")
+    target[leaf] = value
 
 
 def _recipe_from_args(args):
-    """The recipe file (if any) with the flags given on top; a flag the method does not use is an
-    error naming the method's own flags, never silently ignored."""
+    """The recipe file (if any) with the flags and ``--set`` values given on top; a flag the method does
+    not use is an error naming the method's own flags, never silently ignored."""
     from blockfold.recipe import Recipe, read_recipe_file
     from blockfold.settings import DEFAULT_METHOD, SETTINGS
 
@@ -381,24 +433,30 @@ def _recipe_from_args(args):
     settings = {key: dict(value) if isinstance(value, dict) else value
                 for key, value in {**(data.get("settings") or {}), **flat}.items()}
     fields = SETTINGS[method].model_fields
-    given = {flag: getattr(args, flag) for flag in SETTINGS_FLAGS if getattr(args, flag, None) is not None}
-    refused = [flag for flag in given if SETTINGS_FLAGS[flag].split(".")[0] not in fields]
+    flags = {dest: field for dest, (field, _) in setting_flags().items()}
+    given = {dest: getattr(args, dest) for dest in flags if getattr(args, dest, None) is not None}
+    refused = [dest for dest in given if flags[dest] not in fields]
     if refused:
-        names = ", ".join("--" + flag.replace("_", "-") for flag in refused)
+        names = ", ".join("--" + dest.replace("_", "-") for dest in refused)
         raise BlockfoldError(f"{names} {'does' if len(refused) == 1 else 'do'} not apply to method {method!r}; its "
                              f"flags are {', '.join(_method_flags(fields))}")
-    if any(SETTINGS_FLAGS[flag] in BUDGET_FIELDS for flag in given):
+    on_command_line = {flags[dest]: value for dest, value in given.items()}
+    calibration_set = {}
+    for key, value in _set_values(getattr(args, "set_values", None) or []).items():
+        if key.startswith("calibration."):
+            calibration_set[key.removeprefix("calibration.")] = value
+        else:
+            on_command_line[key] = value
+    if any(key in BUDGET_FIELDS for key in on_command_line):
         for name in BUDGET_FIELDS:  # a budget on the command line replaces the recipe file's
             settings.pop(name, None)
-    for flag, value in given.items():
-        target = settings
-        *parents, leaf = SETTINGS_FLAGS[flag].split(".")
-        for key in parents:
-            target = target.setdefault(key, {})
-        target[leaf] = value
+    for key, value in on_command_line.items():
+        _put(settings, key, value)
     calibration = dict(data.get("calibration") or {})
     calibration.update({field: getattr(args, flag) for flag, field in CALIBRATION_FLAGS.items()
                         if getattr(args, flag, None) is not None})
+    for key, value in calibration_set.items():
+        _put(calibration, key, value)
     origin = f"recipe ({args.recipe} with the flags given)" if args.recipe else "recipe"
     return Recipe.parse({**({"recipe_version": data["recipe_version"]} if "recipe_version" in data else {}),
                          "method": method, "settings": settings, "calibration": calibration}, origin=origin)
@@ -779,17 +837,41 @@ def cmd_bench(args) -> int:
 
 
 def _add_methods(sub) -> None:
-    sub.add_parser("methods", help="list the compression methods, one line each, with their settings and defaults")
+    p = sub.add_parser("methods", help="list the compression methods, one line each, with their settings and defaults")
+    p.add_argument("name", nargs="?", metavar="METHOD", help="one method only")
+
+
+def settings_rows(cls) -> list[tuple[str, str, str, str]]:
+    """A method's settings as (key, how to set it on the command line, default as a run resolves it,
+    description), nested settings under their dotted key."""
+    flags = {field: dest for dest, (field, methods) in setting_flags().items() if cls.method in methods}
+    defaults = cls().model_dump()
+    rows = []
+    for field, info in cls.model_fields.items():
+        value = defaults[field]
+        if isinstance(value, dict):  # a nested group of settings (ReplaceMe's cosine)
+            nested = info.annotation.model_fields
+            rows += [(f"{field}.{key}", f"--set {field}.{key}=", str(inner), nested[key].description or "")
+                     for key, inner in value.items()]
+            continue
+        flag = "--" + flags[field].replace("_", "-") if field in flags else f"--set {field}="
+        rows.append((field, flag, "unset" if value is None else str(value), info.description or ""))
+    return rows
 
 
 def cmd_methods(args) -> int:
     from blockfold.settings import DEFAULT_METHOD, SETTINGS
 
+    if args.name is not None and args.name not in SETTINGS:
+        raise BlockfoldError(f"unknown method {args.name!r}; choose one of {', '.join(SETTINGS)}")
     for name, cls in SETTINGS.items():
+        if args.name not in (None, name):
+            continue
         print(f"{name}{' (default)' if name == DEFAULT_METHOD else ''}: {cls.summary()}")
-        for field, value in cls().model_dump().items():  # the defaults as a run resolves them
-            shown = ", ".join(f"{key}={inner}" for key, inner in value.items()) if isinstance(value, dict) else value
-            print(f"    {field}: {'unset' if shown is None else shown}")
+        rows = settings_rows(cls)
+        width = max(len(f"{key} = {value}") for key, _, value, _ in rows)
+        for key, _, value, description in rows:
+            print(f"    {f'{key} = {value}':<{width}}  {description}")
     return 0
 
 
@@ -809,7 +891,7 @@ def build_parser() -> argparse.ArgumentParser:
     for command in sub.choices.values():
         loudness = command.add_mutually_exclusive_group()
         loudness.add_argument("-q", "--quiet", action="store_true",
-                              help="warnings, errors and the final summary only: no progress bars or progress lines")
+                              help="warnings, errors and the final summary only (no progress bars)")
         loudness.add_argument("-v", "--verbose", action="store_true", help="blockfold's debugging lines too")
     return parser
 
@@ -838,7 +920,26 @@ def reference_markdown() -> str:
             text = (action.help or "").replace("%%", "%").replace("|", "\\|").replace("<", "&lt;").replace("\n", " ")
             lines.append(f"| {flag} | {values} | {default} | {text} |")
         lines.append("")
+    lines += _settings_markdown()
     return "\n".join(lines)
+
+
+def _settings_markdown() -> list[str]:
+    """Every method's settings with their defaults, from the registry (what `blockfold methods` prints)."""
+    from blockfold.settings import DEFAULT_METHOD, SETTINGS
+
+    lines = ["## Method settings", "",
+             "Each setting is a flag of `compress` (in its method's group of `--help`) or `--set KEY=VALUE`; in a "
+             "recipe file it goes under `settings:`. Defaults are what a run resolves them to.", ""]
+    for name, cls in SETTINGS.items():
+        lines += [f"### `{name}`{' (the default method)' if name == DEFAULT_METHOD else ''}", "", cls.summary(), "",
+                  "| Setting | Flag | Default | What it does |", "|---|---|---|---|"]
+        for key, flag, value, description in settings_rows(cls):
+            shown = f"`{flag}`" if not flag.endswith("=") else f"`{flag}VALUE`"
+            text = description.replace("|", "\\|")
+            lines.append(f"| `{key}` | {shown} | `{value}` | {text} |")
+        lines.append("")
+    return lines
 
 
 def _log_to_stderr(quiet: bool = False, verbose: bool = False) -> None:
@@ -865,6 +966,8 @@ def main(argv: list[str] | None = None) -> int:
     # a terminated run unwinds like an interrupted one, so its staging folder is removed
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    if args.command == "methods":  # reads the registry only: no torch, no processes to join
+        return _stdout_may_close(lambda: cmd_methods(args))
     from blockfold import distributed
     from blockfold.errors import out_of_memory
 
@@ -891,6 +994,20 @@ def main(argv: list[str] | None = None) -> int:
             raise
         finally:
             distributed.finish()
+
+
+def _stdout_may_close(command) -> int:
+    """Run ``command``; a reader that stops early (``| head``) ends it quietly, as for any Unix tool."""
+    try:
+        code = command()
+        sys.stdout.flush()
+        return code
+    except BlockfoldError as err:
+        print(f"blockfold: error: {err}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
+        return 0
 
 
 #: commands that share their calibration passes among torchrun's processes

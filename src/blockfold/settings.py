@@ -30,11 +30,10 @@ AUTO_SPAN_COUNTS = (1, 2, 3)
 class CosineConfig(Strict):
     """Numerical fit of the transform under a cosine (or, for sandwich norms, MSE) objective."""
 
-    max_tokens: int = Field(16384, ge=64)
-    steps: int = Field(60, ge=1)
-    learning_rate: float = Field(1.0, gt=0)
-    # L1 penalty on the transform, λ·Σ|T_ij| / d, added to the objective (0: none)
-    l1_penalty: float = Field(0.0, ge=0)
+    max_tokens: int = Field(16384, ge=64, description="calibration tokens subsampled for the fit")
+    steps: int = Field(60, ge=1, description="L-BFGS iterations")
+    learning_rate: float = Field(1.0, gt=0, description="L-BFGS step size")
+    l1_penalty: float = Field(0.0, ge=0, description="L1 penalty λ·Σ|T_ij|/d on the map (0: none)")
 
 
 class MethodSettings(Strict):
@@ -64,8 +63,8 @@ class MethodSettings(Strict):
 class BlockBudget(MethodSettings):
     """A budget in decoder blocks: ``blocks``, or ``ratio`` of the model's blocks (default 8 blocks)."""
 
-    blocks: int | None = Field(None, ge=1)
-    ratio: float | None = Field(None, gt=0, lt=1)
+    blocks: int | None = Field(None, ge=1, description="blocks to remove or replace (default 8)")
+    ratio: float | None = Field(None, gt=0, lt=1, description="share of the blocks (or layers) instead")
 
     @model_validator(mode="after")
     def _one_budget(self):
@@ -89,8 +88,9 @@ class BlockBudget(MethodSettings):
 class AttentionBudget(MethodSettings):
     """A budget in attention sublayers: ``attention_layers``, or ``ratio`` of the layers (default 8)."""
 
-    attention_layers: int | None = Field(None, ge=1)
-    ratio: float | None = Field(None, gt=0, lt=1)
+    attention_layers: int | None = Field(None, ge=1, description="attention layers to replace or drop (default 8)",
+                                         json_schema_extra={"flag": "attn"})
+    ratio: float | None = Field(None, gt=0, lt=1, description="share of the blocks (or layers) instead")
 
     @model_validator(mode="after")
     def _one_budget(self):
@@ -110,8 +110,8 @@ class AttentionBudget(MethodSettings):
 class SpanSelection(BlockBudget):
     """Contiguous spans: several spans sharing the budget, or one at a fixed start."""
 
-    spans: int = Field(1, ge=1)
-    span_start: int | None = Field(None, ge=1)
+    spans: int = Field(1, ge=1, description="spans sharing the budget")
+    span_start: int | None = Field(None, ge=1, description="start the span here instead of selecting one")
 
     @model_validator(mode="after")
     def _one_selection(self):
@@ -141,18 +141,14 @@ class RefitStage(MethodSettings):
     #: False where the stage records them on an unedited twin of the model before the method runs
     refits_within: ClassVar[bool] = False
 
-    # which projections: down, attention output + down, all (also those reading the normed inputs), none
-    refit: Literal["none", "down", "attn+down", "all"] | None = None
-    # blocks refitted per span, from the one before it (a number past the last block: every later one)
-    refit_blocks: int | None = Field(None, ge=1)
-    # ridge toward the current weight, relative to the mean of diag(aᵀa) of the projection's inputs
-    refit_ridge: float = Field(1e-2, ge=0)
-    # each token's squared error as it is (none) or relative to the original stream's energy (stream)
-    refit_weighting: Literal["none", "stream"] = "none"
-    # also fit one scalar for the span's magnitude gap, folded into every later block's writes
-    refit_scale: bool | None = None
-    # with refit all, correct the input projections of sandwich blocks whose outputs cannot be refitted
-    refit_sandwich: bool | None = None
+    refit: Literal["none", "down", "attn+down", "all"] | None = Field(
+        None, description="projections refitted after removal")
+    refit_blocks: int | None = Field(None, ge=1, description="blocks refitted per span, from the one before it")
+    refit_ridge: float = Field(1e-2, ge=0, description="ridge toward the current weights (relative)")
+    refit_weighting: Literal["none", "stream"] = Field(
+        "none", description="token errors as they are or relative")
+    refit_scale: bool | None = Field(None, description="also fit the stream's scale after each span")
+    refit_sandwich: bool | None = Field(None, description="with all: also the inputs of sandwich-norm blocks")
 
     def default_refit(self) -> str:
         return "none"
@@ -188,22 +184,20 @@ class ReplaceMe(RefitStage, SpanSelection):
     runner: ClassVar[str] = "blockfold.methods.replaceme:compress_replaceme"
     refits_within: ClassVar[bool] = True
     runs_on_images: ClassVar[bool] = True
-    # auto: build each of AUTO_SPAN_COUNTS and keep the lowest held-out calibration loss
-    spans: Annotated[int, Field(ge=1)] | Literal["auto"] = 1
+    spans: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+        1, description="spans sharing the budget (auto: the best of 1 to 3)")
 
-    # how candidate spans are scored (select/spans.py)
-    criterion: SpanCriterion = "fit_error"
-    # greedy: one block per round, wherever it is, the one whose removal after its own map loses least
-    greedy: bool = False
-    # the map (estimate/): closed form, cosine (numerical), or identity (plain removal)
-    estimator: Literal["lstsq", "diagonal", "orthogonal", "lowrank", "cosine", "identity"] = "lstsq"
-    # which map scores the spans: lstsq, the estimator's own, or compare (build both, keep the better)
-    span_scoring: Literal["lstsq", "estimator", "compare"] | None = None
-    rank: int | None = Field(None, ge=1)  # lowrank: rank of the correction to the identity (default 32)
-    ridge_alpha: float = Field(0.0, ge=0)  # L2 penalty per calibration token
-    # blocks with a norm after the MLP (Gemma): which foldable form of the map (docs/gemma.md)
-    sandwich_fold: Literal["auto", "compare", "linearized-norm", "through-norm"] = "auto"
-    cosine: CosineConfig = Field(default_factory=CosineConfig)
+    criterion: SpanCriterion = Field("fit_error", description="how spans are scored")
+    greedy: bool = Field(False, description="one block at a time, re-measuring after each")
+    estimator: Literal["lstsq", "diagonal", "orthogonal", "lowrank", "cosine", "identity"] = Field(
+        "lstsq", description="the span's map (identity: none)")
+    span_scoring: Literal["lstsq", "estimator", "compare"] | None = Field(
+        None, description="which map scores spans (compare: build both)")
+    rank: int | None = Field(None, ge=1, description="lowrank: rank of the correction")
+    ridge_alpha: float = Field(0.0, ge=0, description="L2 penalty of the fit, per token")
+    sandwich_fold: Literal["auto", "compare", "linearized-norm", "through-norm"] = Field(
+        "auto", description="fold past a post-MLP norm")
+    cosine: CosineConfig = Field(default_factory=CosineConfig, description="the cosine estimator's numerical fit")
 
     def describe(self, selection: dict) -> str:
         return f" / {self.estimator}" + (f" (rank {self.rank})" if self.rank else "")
@@ -245,9 +239,9 @@ class UIDL(RefitStage, SpanSelection):
     runner: ClassVar[str] = "blockfold.methods.baselines:compress_uidl"
     refits_within: ClassVar[bool] = True  # it runs ReplaceMe's surgery with the identity map
     runs_on_images: ClassVar[bool] = True
-    criterion: SpanCriterion = "angular_last"
-    # with a fit criterion, what scores each span: lstsq or the identity's own error
-    span_scoring: Literal["lstsq", "estimator"] = "lstsq"
+    criterion: SpanCriterion = Field("angular_last", description="how spans are scored")
+    span_scoring: Literal["lstsq", "estimator"] = Field(
+        "lstsq", description="with a fit criterion: whose error scores")
 
 
 class NBL(AttentionBudget):
@@ -257,10 +251,10 @@ class NBL(AttentionBudget):
     runner: ClassVar[str] = "blockfold.methods.nbl:compress_nbl"
     ranks_sublayers: ClassVar[str | None] = "attention"
     writes_standard_checkpoint: ClassVar[bool] = False
-    # auto: nmse where attention's output passes a norm (sandwich blocks), cosine elsewhere
-    linearity_criterion: LinearityCriterion | Literal["auto"] = "auto"
-    greedy: bool = False  # recompute the statistics after each replacement (k passes)
-    ridge_alpha: float = Field(0.0, ge=0)
+    linearity_criterion: LinearityCriterion | Literal["auto"] = Field(
+        "auto", description="ranking (auto: nmse on Gemma)")
+    greedy: bool = Field(False, description="one at a time, re-measuring after each")
+    ridge_alpha: float = Field(0.0, ge=0, description="L2 penalty of the fit, per token")
 
     def describe(self, selection: dict) -> str:
         return f" / {selection['criterion']}"
@@ -279,9 +273,9 @@ class NBLBlock(BlockBudget):
     runner: ClassVar[str] = "blockfold.methods.nbl:compress_nbl_block"
     ranks_sublayers: ClassVar[str | None] = "block"
     writes_standard_checkpoint: ClassVar[bool] = False
-    linearity_criterion: LinearityCriterion = "cosine"
-    greedy: bool = False
-    ridge_alpha: float = Field(0.0, ge=0)
+    linearity_criterion: LinearityCriterion = Field("cosine", description="how blocks are ranked")
+    greedy: bool = Field(False, description="one at a time, re-measuring after each")
+    ridge_alpha: float = Field(0.0, ge=0, description="L2 penalty of the fit, per token")
 
     def describe(self, selection: dict) -> str:
         return f" / {selection['criterion']}"
@@ -297,7 +291,7 @@ class DropAttention(AttentionBudget):
     runner: ClassVar[str] = "blockfold.methods.nbl:compress_drop_attention"
     ranks_sublayers: ClassVar[str | None] = "attention"
     writes_standard_checkpoint: ClassVar[bool] = False
-    greedy: bool = False
+    greedy: bool = Field(False, description="one at a time, re-measuring after each")
 
 
 class DropBlock(RefitStage, BlockBudget):
@@ -321,10 +315,9 @@ class PruneComp(RefitStage, BlockBudget):
 
     method: ClassVar[str] = "prune-comp"
     runner: ClassVar[str] = "blockfold.methods.prune_comp:compress_prune_comp"
-    # block_influence: 1 − mean cos(h_in, h_out) per block (the paper's CosSim(BI) example);
-    # perplexity: calibration perplexity with the block skipped (its PPL metric, SLEB's)
-    importance: Literal["block_influence", "perplexity"] = "block_influence"
-    compensate: bool = True  # False: iterative removal alone (the paper's ablation)
+    importance: Literal["block_influence", "perplexity"] = Field(
+        "block_influence", description="which block goes first")
+    compensate: bool = Field(True, description="fold the magnitude compensation")
 
 
 class LaCo(RefitStage, BlockBudget):
@@ -333,9 +326,8 @@ class LaCo(RefitStage, BlockBudget):
 
     method: ClassVar[str] = "laco"
     runner: ClassVar[str] = "blockfold.methods.laco:compress_laco"
-    merge_layers: int = Field(4, ge=2)  # blocks collapsed into one per merge (the paper's C = 4)
-    # calibration sequences the similarity is measured on (the paper's few sentences)
-    similarity_sequences: int = Field(8, ge=1)
+    merge_layers: int = Field(4, ge=2, description="blocks collapsed into one per merge")
+    similarity_sequences: int = Field(8, ge=1, description="sequences a merge is judged on")
 
 
 class LinearPatch(BlockBudget):
@@ -345,12 +337,11 @@ class LinearPatch(BlockBudget):
     method: ClassVar[str] = "linear-patch"
     runner: ClassVar[str] = "blockfold.methods.linear_patch:compress_linear_patch"
     writes_standard_checkpoint: ClassVar[bool] = False
-    # the paper's selection: the span of highest mean cosine between its input and output
-    criterion: Literal["block_influence", "angular_all", "angular_last"] = "block_influence"
-    span_start: int | None = Field(None, ge=1)
-    # hadamard: the paper's H D Hᵀ (D from rotated magnitudes); full: least squares on the stream
-    patch: Literal["hadamard", "full"] = "hadamard"
-    ridge_alpha: float = Field(0.0, ge=0)  # full only: L2 penalty per calibration token
+    criterion: Literal["block_influence", "angular_all", "angular_last"] = Field(
+        "block_influence", description="how spans are scored")
+    span_start: int | None = Field(None, ge=1, description="start the span here instead of selecting one")
+    patch: Literal["hadamard", "full"] = Field("hadamard", description="H D Hᵀ or least squares")
+    ridge_alpha: float = Field(0.0, ge=0, description="full: L2 penalty per token")
 
     @model_validator(mode="after")
     def _ridge_for_full(self):
@@ -365,10 +356,11 @@ class Streamline(BlockBudget):
 
     method: ClassVar[str] = "streamline"
     runner: ClassVar[str] = "blockfold.methods.streamline:compress_streamline"
-    # the paper's selection: the span of highest mean cosine between its input and output
-    criterion: Literal["block_influence", "angular_all", "angular_last"] = "block_influence"
-    train_steps: int = Field(200, ge=0)  # Adam steps, one calibration batch each; 0: the span's first block as is
-    learning_rate: float = Field(1e-4, gt=0)
+    criterion: Literal["block_influence", "angular_all", "angular_last"] = Field(
+        "block_influence", description="how spans are scored")
+    train_steps: int = Field(200, ge=0, description="Adam steps training the new block")
+    learning_rate: float = Field(1e-4, gt=0, description="that training's learning rate",
+                                 json_schema_extra={"flag": "lr"})
 
 
 #: the registry: method name → its settings class (the first is the default method)

@@ -179,7 +179,8 @@ def _render(record, config: CalibrationConfig, tokenizer: PreTrainedTokenizerBas
         return str(record["text"]), False
     raise BlockfoldError(
         f"cannot find text in calibration record with fields {sorted(record)}: "
-        "pass --text-field NAME, or use text / instruction-output / prompt-answer records"
+        "pass --set calibration.text_field=NAME (text_field in a recipe), or use text / instruction-output / "
+        "prompt-answer records"
     )
 
 
