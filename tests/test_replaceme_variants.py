@@ -539,14 +539,16 @@ def test_spans_auto_holds_out_an_eighth_of_the_sequences_and_needs_two():
                            calibration=random_calibration(num_sequences=1, batch_size=1))
 
 
-def test_spans_auto_is_replaceme_only_and_the_cli_reads_it():
-    from blockfold.cli import _span_count
+def test_spans_auto_is_replaceme_only_and_the_cli_reads_it(capsys):
+    from blockfold.cli import build_parser
 
     assert Recipe.parse({"spans": "auto"}).settings.span_counts(8) == (1, 2, 3)
     assert Recipe.parse({"blocks": 2, "spans": "auto"}).settings.span_counts(2) == (1, 2)
-    assert _span_count("auto") == "auto" and _span_count("2") == 2
-    with pytest.raises(Exception, match="number of spans or auto"):
-        _span_count("two")
+    for given, parsed in (("auto", "auto"), ("2", 2)):
+        assert build_parser().parse_args(["compress", "--model", "m", "--out", "o", "--spans", given]).spans == parsed
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["compress", "--model", "m", "--out", "o", "--spans", "two"])
+    assert "--spans takes a number or auto, not 'two'" in capsys.readouterr().err
     with pytest.raises(BlockfoldError, match="spans"):
         Recipe.parse({"method": "uidl", "spans": "auto"})
     with pytest.raises(BlockfoldError, match="cannot be combined"):

@@ -249,7 +249,7 @@ def compress(
         "parameters": count_parameters(handle.model),
         **details,
         "calibration": calibration.description,
-        "recipe": recipe.model_dump(mode="json"),
+        "recipe": recipe.saved(),
         "execution": {"pipeline": runner.pipeline, "device": str(handle.device),
                       "dtype": DTYPE_NAMES.get(handle.dtype, str(handle.dtype)), "passes": runner.passes,
                       "pass_seconds": runner.pass_seconds, "processes": runner.ranks.world_size,

@@ -1,32 +1,17 @@
 """The validated, versioned recipe shared by the Python API, the CLI and YAML files.
 
 A recipe says *what* to do to a model: the method with its own typed settings (``settings.py``)
-and the calibration data. It is saved next to every output with every default resolved, so a run
-can be repeated, and a report rebuilt, from the output folder alone. (Where and in what precision
-a job runs is not the recipe's business: see ``runtime.Execution``.)
+and the calibration data. (Where and in what precision a job runs is not the recipe's business: see
+``runtime.Execution``.)
 
-Version 12 (this one): ReplaceMe's single span is chosen by ``span_scoring: compare`` (where the lstsq
-map and the folded map score different spans best, both are built and the lower held-out calibration
-loss kept); a version 11 or older recipe scores with the lstsq map alone. Version 11: with ``refit: all``, ReplaceMe's refit also corrects the input projections of
-sandwich blocks (Gemma's) after each span (``refit_sandwich: true``); a version 10 recipe leaves them.
-Version 10: ReplaceMe's refit also corrects, in the blocks after each span, the projections
-that read each sublayer's normed input, over three blocks per span (``refit: all``,
-``refit_blocks: 3``); a version 9 or older recipe refits the down-projections (``refit: down``).
-Version 9: ReplaceMe's refit also fits the stream's scale after each span
-(``refit_scale: true``); a version 8 or older recipe refits the weights alone. Version 8: ReplaceMe refits the down-projections of the block before each span and the
-next one to the original stream (``refit: down``, ``refit_blocks: 2``); a version 7 or older recipe
-folds the map alone (``refit: none``). Version 7: ReplaceMe scores candidate spans with the unconstrained least-squares map
-whatever its estimator folds (``span_scoring: lstsq``); a version 6 or older recipe keeps scoring with
-the estimator's own map. Version 6 made NBL's ranking ``auto``. Version 5: ReplaceMe's span
-``criterion`` defaults to ``fit_error``. Version 4 made
-ReplaceMe's ``sandwich_fold: auto`` fold ``linearized-norm`` (through-norm only where that fit is not
-finite). Version 3 packed calibration documents with EOS between them and a BOS
-(where the tokenizer writes one) at the start of every sequence, and made ReplaceMe's ``ridge_alpha``
-per token as NBL's. Older recipes are read and migrated to what they ran: a ReplaceMe recipe of version 4
-or older that left the criterion to the default keeps ``fit_error_stream``; version 3's ``auto``, which
-kept the fold with the lower loss, becomes ``compare``; version 2 (settings under ``settings``) keeps
-its blank-line packing and its total ridge (divided by the recipe's tokens); version 1 (every field
-flat, unused ones included, ``criterion: null`` for "the default") goes through version 2.
+Versions (docs/design.md, "Recipes and versions"): every output folder holds its recipe with every
+value resolved, and the ``blockfold_version`` that ran it, so it replays as it ran whatever the
+defaults of the blockfold that replays it. A hand-written recipe that leaves a setting out takes the
+running blockfold's default. ``recipe_version`` is the schema's version: it changes only when a field
+is renamed, removed or read differently, never for a new default; a default's history is in
+docs/defaults.md. Versions 1-11, written before this rule, were bumped per default and are migrated
+to what they ran (each migration below says what changed; ``_keep_old_default`` gives a recipe that
+left a setting to the default the default of its version).
 """
 
 from __future__ import annotations
@@ -120,6 +105,8 @@ class Recipe(Strict):
     """
 
     recipe_version: Literal[12] = RECIPE_VERSION
+    #: the blockfold that wrote the recipe (set when it is saved with a run; a record, not a constraint)
+    blockfold_version: str | None = None
     method: str = "replaceme"
     settings: SerializeAsAny[MethodSettings]
     calibration: CalibrationConfig = Field(default_factory=CalibrationConfig)
@@ -154,8 +141,14 @@ class Recipe(Strict):
         return cls(method=settings.method, settings=settings, calibration=calibration or CalibrationConfig())
 
     # -- YAML -----------------------------------------------------------------------------
+    def saved(self) -> dict:
+        """The recipe as saved with a run: every value resolved, and the version of this blockfold."""
+        from blockfold import __version__
+
+        return {**self.model_dump(mode="json"), "blockfold_version": __version__}
+
     def to_yaml(self) -> str:
-        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+        return yaml.safe_dump(self.saved(), sort_keys=False)
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "Recipe":
