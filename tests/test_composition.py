@@ -392,3 +392,17 @@ def test_cell(workspace, case, arch, mode, capsys, monkeypatch):
 
 def test_every_registered_method_is_in_the_matrix():
     assert {method for method, _ in CASES.values()} == set(SETTINGS)
+
+
+@pytest.mark.parametrize("case, arch", [(case, arch) for case in CASES for arch in ARCHITECTURES])
+def test_the_dry_run_plans_the_passes_the_run_makes(workspace, case, arch):
+    """``--dry-run``'s plan comes from each method's registered planner; its pass count must be the
+    plain run's, so a method whose code and plan drift apart fails here."""
+    from blockfold.plan import plan_for
+
+    expected = _reference(workspace, case, arch)
+    recipe = blockfold.Recipe.parse(workspace.recipe(case))
+    if expected.refusal is not None:
+        return
+    plan = plan_for(str(workspace.model(arch)), recipe, Execution())
+    assert plan.numbers["passes"] == expected.manifest["execution"]["passes"], plan.render()

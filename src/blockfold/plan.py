@@ -18,7 +18,7 @@ import torch
 
 from blockfold.recipe import Recipe
 from blockfold.runtime import DTYPE_NAMES, DTYPES, Execution, free_memory, resolve_device
-from blockfold.settings import AttentionBudget, ReplaceMe, SpanSelection
+from blockfold.settings import MethodSettings, RefitStage
 
 #: accelerators a plan for a memory size is timed against: (name, dense bf16 TFLOP/s, fp64 TFLOP/s)
 ACCELERATORS = (("A100 80GB", 312.0, 19.5), ("H100 80GB", 989.0, 67.0))
@@ -28,6 +28,60 @@ FORWARD_EFFICIENCY = 0.4
 STATS_EFFICIENCY = 0.6
 #: host-to-device bandwidth for weights read layer by layer (PCIe 4.0 x16), bytes/s
 HOST_TO_DEVICE = 25e9
+
+
+@dataclass
+class PlanContext:
+    """What a method's planner is told: its settings and the model's shape, the calibration set, the
+    memory the float64 statistics may take (``budget``) and the pipeline that will run it."""
+
+    settings: MethodSettings
+    adapter: object
+    model: object  # a skeleton: parameters on the meta device
+    num_layers: int
+    hidden_size: int
+    element: int  # bytes per activation element
+    calibration: object
+    tokens: int
+    budget: int
+    pipeline: str
+
+
+@dataclass
+class MethodPlan:
+    """What a method costs: passes over the calibration set, bytes of float64 sums, statistics FLOPs
+    per token, the observers whose windows the sequential pipeline keeps, and what it will do, in words."""
+
+    passes: int = 1
+    sums: int = 0
+    stats_flops_per_token: float = 0.0
+    observers: list = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    weight_copies: int = 1  # copies of the weights resident at once (a twin, a candidate model)
+    #: forward work beyond one run of every block per pass (a stream per candidate, fewer sequences),
+    #: in passes of the calibration set through every block
+    extra_forward: float = 0.0
+
+    @property
+    def forward_passes(self) -> float:
+        return self.passes + self.extra_forward
+
+
+def plan_one_pass(context: PlanContext) -> MethodPlan:
+    """A method that declares no planner: one pass of block distances."""
+    from blockfold.stats import SpanStatistics
+
+    return MethodPlan(observers=[SpanStatistics(context.num_layers, 1)], notes=["distances only"])
+
+
+def planner_of(settings_class: type[MethodSettings]):
+    """The method's planner: ``settings_class.planner`` (``module:function``), or one pass."""
+    if settings_class.planner is None:
+        return plan_one_pass
+    import importlib
+
+    module, function = settings_class.planner.split(":")
+    return getattr(importlib.import_module(module), function)
 
 
 @dataclass
@@ -91,10 +145,6 @@ def plan_for(spec: str, recipe: Recipe, execution: Execution, accelerator_memory
     from blockfold.models.multimodal import language_model_view
     from blockfold.models.sources import skeleton
     from blockfold.pipelines import ACTIVATION_SHARE, CPU_ACTIVATION_BYTES, STATS_SHARE
-    from blockfold.select import split_budget
-    from blockfold.stats import SpanStatistics, SublayerLinearity
-    from blockfold.stats.magnitude import BoundaryEquations, StreamMagnitude
-    from blockfold.stats.similarity import StreamSimilarity
 
     config = _config(spec)
     adapter = get_adapter(config)
@@ -136,118 +186,18 @@ def plan_for(spec: str, recipe: Recipe, execution: Execution, accelerator_memory
                             f"{calibration.sequence_length} = {tokens:,} tokens")
     plan.add("activation buffer", f"{gib(tokens * d * element)} for all tokens at one boundary ({DTYPE_NAMES[dtype]})")
 
-    # -- the method's statistics ----------------------------------------------------------
-    passes, stats_flops_per_token, sums, observers, notes = 1, 0.0, 0, [], []
+    # -- the method's statistics: its planner, registered beside its function ----------------
     budget = execution.stats_memory or int(STATS_SHARE * max(memory - (weights if pipeline == "whole" else
                                                                         per_layer_params * element), 0))
-    if isinstance(settings, SpanSelection):
-        n = settings.num_blocks(num_layers)
-        counts = settings.span_counts(n)
-        lengths = sorted({length for count in counts for length in split_budget(n, count)})
-        criterion = settings.criterion
-        need_all = criterion in ("fit_error", "fit_error_stream")
-        weighted = criterion == "fit_error_stream"  # the per-token weighted sums serve it alone
-        estimator = getattr(settings, "estimator", "identity")
-        starts = {length: num_layers - length for length in lengths}
-        full = sum(SpanStatistics.sums_bytes_for(count, d, "full", weighted) for count in starts.values())
-        moments = StreamSimilarity.sums_bytes_for(num_layers, len(lengths), d) if criterion in ("cka", "cca") else 0
-        observers.append(SpanStatistics(num_layers, n, max(lengths)))
-        if estimator == "identity" and not need_all:
-            sums, mode = moments, "no normal equations (plain removal: scalars only)"
-        elif full + moments <= budget:
-            sums, mode = full + moments, f"full normal equations for all {sum(starts.values())} candidates"
-            stats_flops_per_token = sum(starts.values()) * (8 if weighted else 4) * d * d
-        elif need_all:
-            per_start = SpanStatistics.sums_bytes_for(1, d, "full", weighted)
-            keep = max(1, (budget - moments) // (per_start * len(lengths)))
-            sums = keep * per_start * len(lengths) + moments
-            passes += 1
-            stats_flops_per_token = keep * len(lengths) * (8 if weighted else 4) * d * d
-            mode = (f"{gib(full)} for all candidates exceeds the budget: pass 1 screens every start with d-sized sums, "
-                    f"pass 2 accumulates full sums for the best {keep} per length")
-        else:
-            sums, mode = moments, "distances only; the chosen span's sums in a refit pass"
-            passes += 1
-        notes.append(mode)
-        if getattr(settings, "greedy", False):
-            passes = n
-        if isinstance(settings, ReplaceMe) and (settings.estimator == "cosine" or not adapter.folds_exactly):
-            passes += 1  # the token subsample for the numerical fit
-        # later spans are refitted on the compressed model; a refit records the original streams to the
-        # span's end, then runs both streams through the later blocks, twice
-        refit = 2 if getattr(settings, "refit", "none") != "none" else 0
-        build = {count: count - 1 + refit for count in counts}
-        passes += build[counts[0]] if len(counts) == 1 else sum(b + 1 for b in build.values()) + max(build.values())
-        if refit:
-            intermediate = getattr(model.config, "intermediate_size", None) or 4 * d
-            # AᵀA and AᵀR; with the stream scale also AᵀH (the rest of the block's output)
-            refit_sums = intermediate * (intermediate + (2 if settings.refit_scale else 1) * d) * 8
-            sums = max(sums, refit_sums)
-            copies = 5 if settings.refit == "all" else 3  # "all" also keeps the original's two normed inputs
-            notes.append(f"refit: {gib(refit_sums)} of sums per down-projection, and the original and compressed "
-                         f"streams kept for all calibration tokens ({gib(copies * tokens * d * element)})")
-        if len(counts) > 1:
-            notes.append(f"spans auto: the model built with {', '.join(map(str, counts))} spans on a copy (another "
-                         f"{'copy of the weights' if pipeline == 'whole' else 'skeleton over the checkpoint'}), "
-                         "each fitted without an eighth of the calibration and scored with one pass of its loss on it, then the chosen count's model built "
-                         "again in place (counted at most: touching spans build one model once)")
-    elif settings.ranks_sublayers is not None:
-        count = (settings.num_attention_layers(num_layers) if isinstance(settings, AttentionBudget)
-                 else settings.num_blocks(num_layers))
-        target = settings.ranks_sublayers
-        per_layer = SublayerLinearity.sums_bytes_for(1, d)
-        observers.append(SublayerLinearity(num_layers, target))
-        criterion = settings.resolved_criterion(adapter) if hasattr(settings, "resolved_criterion") else "cosine"
-        rounds = count if settings.greedy else 1
-        if per_layer * num_layers <= budget:
-            sums, per_round = per_layer * num_layers, 1
-            stats_flops_per_token = num_layers * 10 * d * d
-            notes.append(f"five d x d moments for each of the {num_layers} layers ({target})")
-        else:
-            group = max(1, budget // per_layer)
-            fit_passes = math.ceil(count / group) if recipe.method != "drop-attn" else 0
-            score_passes = 1 if criterion == "cosine" else math.ceil(num_layers / group)
-            sums, per_round = min(group, num_layers) * per_layer, score_passes + fit_passes
-            stats_flops_per_token = (num_layers * (criterion != "cosine") + count) * 10 * d * d
-            notes.append(f"{gib(per_layer * num_layers)} for all layers exceeds the budget: {score_passes} pass(es) to "
-                         f"score the layers ({criterion}), {fit_passes} for the chosen layers' moments, "
-                         f"{group} layer(s) per pass")
-        passes = rounds * per_round
-    elif recipe.method == "drop-block":
-        observers.append(SpanStatistics(num_layers, 1))
-        notes.append("distances only")
-    elif recipe.method == "prune-comp":
-        n = settings.num_blocks(num_layers)
-        observers.extend([SpanStatistics(num_layers, 1), StreamMagnitude(num_layers)])
-        passes = n if settings.importance == "block_influence" else 2 * n
-        notes.append("distances and per-channel magnitudes, one pass per removed block"
-                     + ("" if settings.importance == "block_influence" else
-                        f" after one stream per candidate block ({gib(num_layers * tokens * d * element)})"))
-    elif recipe.method == "linear-patch":
-        n = settings.num_blocks(num_layers)
-        observers.extend([SpanStatistics(num_layers, n), BoundaryEquations(1, 1 + n)])
-        sums, passes = 2 * d * d * 8, 2
-        stats_flops_per_token = 4 * d * d + (2 * d * d if settings.patch == "hadamard" else 0)
-        notes.append("span distances, then the chosen span's boundary normal equations"
-                     + (" and rotated magnitudes" if settings.patch == "hadamard" else ""))
-    elif recipe.method == "streamline":
-        n = settings.num_blocks(num_layers)
-        observers.append(SpanStatistics(num_layers, n + 1))
-        passes = 2  # distances, then the stream before and after the chosen span (training reads it back)
-        notes.append(f"span distances; the stream before and after the span kept for all calibration tokens "
-                     f"({gib(2 * tokens * d * element)}), then {settings.train_steps} training steps on one block")
-    elif recipe.method == "laco":
-        n = settings.num_blocks(num_layers)
-        rounds = math.ceil(n / (settings.merge_layers - 1))
-        share = min(settings.similarity_sequences, calibration.num_sequences) / calibration.num_sequences
-        passes = math.ceil(share * (1 + rounds * (num_layers + 1) / 2))  # about L²/2 blocks per round
-        notes.append(f"{rounds} round(s), each one stream per candidate merge over {settings.similarity_sequences} "
-                     f"sequences ({gib(num_layers * settings.similarity_sequences * calibration.sequence_length * d * element)})")
-    elif recipe.method == "sleb":
-        n = settings.num_blocks(num_layers)
-        passes = n
-        notes.append(f"one stream per candidate block: {gib(num_layers * tokens * d * element)} of hidden states "
-                     "(use a small calibration set)")
+    context = PlanContext(settings, adapter, model, num_layers, d, element, calibration, tokens, budget, pipeline)
+    method_plan = planner_of(type(settings))(context)
+    if isinstance(settings, RefitStage) and settings.refit != "none" and not settings.refits_within:
+        from blockfold.methods.refit import plan_refit_after
+
+        plan_refit_after(context, method_plan)
+    passes, sums, notes = method_plan.passes, method_plan.sums, method_plan.notes
+    forward_passes = method_plan.forward_passes
+    observers, stats_flops_per_token = method_plan.observers, method_plan.stats_flops_per_token
     plan.add("statistics", f"{gib(sums)} of float64 sums (budget {gib(budget)}): " + "; ".join(notes))
 
     # -- chunks of the sequential pipeline ------------------------------------------------
@@ -266,8 +216,7 @@ def plan_for(spec: str, recipe: Recipe, execution: Execution, accelerator_memory
         chunks = 1
         per_batch = per_token * calibration.batch_size * calibration.sequence_length
         plan.add("batches", f"{calibration.batch_size} sequences per batch ({gib(per_batch)} of activations and windows)")
-        copies = 2 if isinstance(settings, SpanSelection) and len(settings.span_counts(settings.num_blocks(num_layers))) > 1 else 1
-        peak = copies * weights + per_batch + sums  # spans auto: the original beside one candidate's copy
+        peak = method_plan.weight_copies * weights + per_batch + sums
     plan.add("passes", f"{passes} over the calibration set")
     plan.add("peak memory", f"about {gib(peak)} on the device" + (f" of {gib(memory)}" if memory else ""))
 
@@ -275,7 +224,7 @@ def plan_for(spec: str, recipe: Recipe, execution: Execution, accelerator_memory
     text_config = model.config  # a multimodal model's language model's
     head_dim = getattr(text_config, "head_dim", None) or d // text_config.num_attention_heads
     attention_flops = 4 * calibration.sequence_length * text_config.num_attention_heads * head_dim / 2  # causal: half
-    forward = passes * tokens * (2 * _active_parameters(adapter, layers, text_config) + num_layers * attention_flops)
+    forward = forward_passes * tokens * (2 * _active_parameters(adapter, layers, text_config) + num_layers * attention_flops)
     stats = tokens * stats_flops_per_token
     transfer = passes * chunks * weights if pipeline == "sequential" else 0
     plan.add("work", f"{forward / 1e15:.1f} PFLOP forward ({DTYPE_NAMES[dtype]}), {stats / 1e15:.2f} PFLOP of float64 "

@@ -50,6 +50,8 @@ class MethodSettings(Strict):
     runs_on_images: ClassVar[bool] = False
     #: the sublayers the method ranks by their linearity statistics ("attention" or "block"), or None
     ranks_sublayers: ClassVar[str | None] = None
+    #: ``module:function`` of the method's plan for ``--dry-run`` (plan.MethodPlan); None: one pass
+    planner: ClassVar[str | None] = None
     @classmethod
     def summary(cls) -> str:
         """One line on what the method does: the first line of its settings class's docstring."""
@@ -182,6 +184,7 @@ class ReplaceMe(RefitStage, SpanSelection):
 
     method: ClassVar[str] = "replaceme"
     runner: ClassVar[str] = "blockfold.methods.replaceme:compress_replaceme"
+    planner: ClassVar[str | None] = "blockfold.methods.replaceme:plan_span_removal"
     refits_within: ClassVar[bool] = True
     runs_on_images: ClassVar[bool] = True
     spans: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
@@ -237,6 +240,7 @@ class UIDL(RefitStage, SpanSelection):
 
     method: ClassVar[str] = "uidl"
     runner: ClassVar[str] = "blockfold.methods.baselines:compress_uidl"
+    planner: ClassVar[str | None] = "blockfold.methods.replaceme:plan_span_removal"
     refits_within: ClassVar[bool] = True  # it runs ReplaceMe's surgery with the identity map
     runs_on_images: ClassVar[bool] = True
     criterion: SpanCriterion = Field("angular_last", description="how spans are scored")
@@ -249,6 +253,7 @@ class NBL(AttentionBudget):
 
     method: ClassVar[str] = "nbl"
     runner: ClassVar[str] = "blockfold.methods.nbl:compress_nbl"
+    planner: ClassVar[str | None] = "blockfold.methods.nbl:plan_linearity"
     ranks_sublayers: ClassVar[str | None] = "attention"
     writes_standard_checkpoint: ClassVar[bool] = False
     linearity_criterion: LinearityCriterion | Literal["auto"] = Field(
@@ -271,6 +276,7 @@ class NBLBlock(BlockBudget):
 
     method: ClassVar[str] = "nbl-block"
     runner: ClassVar[str] = "blockfold.methods.nbl:compress_nbl_block"
+    planner: ClassVar[str | None] = "blockfold.methods.nbl:plan_linearity"
     ranks_sublayers: ClassVar[str | None] = "block"
     writes_standard_checkpoint: ClassVar[bool] = False
     linearity_criterion: LinearityCriterion = Field("cosine", description="how blocks are ranked")
@@ -289,6 +295,7 @@ class DropAttention(AttentionBudget):
 
     method: ClassVar[str] = "drop-attn"
     runner: ClassVar[str] = "blockfold.methods.nbl:compress_drop_attention"
+    planner: ClassVar[str | None] = "blockfold.methods.nbl:plan_linearity"
     ranks_sublayers: ClassVar[str | None] = "attention"
     writes_standard_checkpoint: ClassVar[bool] = False
     greedy: bool = Field(False, description="one at a time, re-measuring after each")
@@ -307,6 +314,7 @@ class SLEB(RefitStage, BlockBudget):
 
     method: ClassVar[str] = "sleb"
     runner: ClassVar[str] = "blockfold.methods.sleb:compress_sleb"
+    planner: ClassVar[str | None] = "blockfold.methods.sleb:plan_sleb"
 
 
 class PruneComp(RefitStage, BlockBudget):
@@ -315,6 +323,7 @@ class PruneComp(RefitStage, BlockBudget):
 
     method: ClassVar[str] = "prune-comp"
     runner: ClassVar[str] = "blockfold.methods.prune_comp:compress_prune_comp"
+    planner: ClassVar[str | None] = "blockfold.methods.prune_comp:plan_prune_comp"
     importance: Literal["block_influence", "perplexity"] = Field(
         "block_influence", description="which block goes first")
     compensate: bool = Field(True, description="fold the magnitude compensation")
@@ -326,6 +335,7 @@ class LaCo(RefitStage, BlockBudget):
 
     method: ClassVar[str] = "laco"
     runner: ClassVar[str] = "blockfold.methods.laco:compress_laco"
+    planner: ClassVar[str | None] = "blockfold.methods.laco:plan_laco"
     merge_layers: int = Field(4, ge=2, description="blocks collapsed into one per merge")
     similarity_sequences: int = Field(8, ge=1, description="sequences a merge is judged on")
 
@@ -336,6 +346,7 @@ class LinearPatch(BlockBudget):
 
     method: ClassVar[str] = "linear-patch"
     runner: ClassVar[str] = "blockfold.methods.linear_patch:compress_linear_patch"
+    planner: ClassVar[str | None] = "blockfold.methods.linear_patch:plan_linear_patch"
     writes_standard_checkpoint: ClassVar[bool] = False
     criterion: Literal["block_influence", "angular_all", "angular_last"] = Field(
         "block_influence", description="how spans are scored")
@@ -356,6 +367,7 @@ class Streamline(BlockBudget):
 
     method: ClassVar[str] = "streamline"
     runner: ClassVar[str] = "blockfold.methods.streamline:compress_streamline"
+    planner: ClassVar[str | None] = "blockfold.methods.streamline:plan_streamline"
     criterion: Literal["block_influence", "angular_all", "angular_last"] = Field(
         "block_influence", description="how spans are scored")
     train_steps: int = Field(200, ge=0, description="Adam steps training the new block")

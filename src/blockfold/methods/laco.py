@@ -150,11 +150,13 @@ def compress_laco(job: Job) -> dict:
     original_index = list(range(job.num_layers))
     store_kind, offload_dir = job.runner.store_kind(batches), job.runner.execution.offload_dir
     reference = last_block_outputs(job.handle, batches, store_kind, offload_dir)
+    job.runner.passes += 1  # passes over LaCo's few sequences
     steps = []
     with bar(total=remaining, desc="LaCo", unit="block") as progress:
         while remaining:
             merged = min(settings.merge_layers - 1, remaining)
             scores = candidate_similarities(job.handle, batches, merged, reference, store_kind, offload_dir)
+            job.runner.passes += 1
             first = max(scores, key=scores.get)
             collapsed = original_index[first : first + merged + 1]
             logger.info("collapsing blocks %s into block %d (similarity %.4f)", collapsed[1:], collapsed[0], scores[first])
@@ -183,3 +185,20 @@ def _first_sequences(batches: list[Batch], count: int) -> list[Batch]:
         kept.append(batch.rows(0, take))
         total += take
     return kept
+
+
+def plan_laco(context) -> "MethodPlan":
+    """LaCo's plan for ``--dry-run``: per merge round, one stream per candidate merge over its few sequences
+    (about num_layers²/2 block runs), in units of passes over the whole calibration set."""
+    import math
+
+    from blockfold.plan import MethodPlan, gib
+
+    settings, num_layers, calibration = context.settings, context.num_layers, context.calibration
+    n = settings.num_blocks(num_layers)
+    rounds = math.ceil(n / (settings.merge_layers - 1))
+    share = min(settings.similarity_sequences, calibration.num_sequences) / calibration.num_sequences
+    streams = num_layers * settings.similarity_sequences * calibration.sequence_length * context.hidden_size * context.element
+    return MethodPlan(passes=1 + rounds, extra_forward=share * (1 + rounds * (num_layers + 1) / 2) - 1 - rounds,
+                      notes=[f"{rounds} round(s), each one stream per candidate merge over "
+                             f"{settings.similarity_sequences} sequences ({gib(streams)})"])

@@ -70,3 +70,16 @@ def compress_linear_patch(job: Job) -> dict:
                       "scores_per_criterion": {name: by_start(scores[name], count)
                                                for name in ("angular_last", "angular_all", "block_influence")}},
     }
+
+
+def plan_linear_patch(context) -> "MethodPlan":
+    """LinearPatch's plan for ``--dry-run``: span distances, then the chosen span's boundary sums."""
+    from blockfold.plan import MethodPlan
+
+    settings, num_layers, d = context.settings, context.num_layers, context.hidden_size
+    n = settings.num_blocks(num_layers)
+    hadamard = settings.patch == "hadamard"
+    return MethodPlan(passes=2, sums=2 * d * d * 8, stats_flops_per_token=4 * d * d + (2 * d * d if hadamard else 0),
+                      observers=[SpanStatistics(num_layers, n), BoundaryEquations(1, 1 + n)],
+                      notes=["span distances, then the chosen span's boundary normal equations"
+                             + (" and rotated magnitudes" if hadamard else "")])

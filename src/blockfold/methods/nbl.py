@@ -151,3 +151,38 @@ def compress_drop_attention(job: Job) -> dict:
 
 __all__ = ["all_scores", "compress_drop_attention", "compress_nbl", "compress_nbl_block",
            "drop_attention", "linearize", "measure_layers", "statistics_of"]
+
+
+def plan_linearity(context) -> "MethodPlan":
+    """NBL's, NBL-block's and DROP-attention's plan for ``--dry-run``: the linearity moments of every
+    layer (scored and fitted in groups where they exceed the memory budget), once or per greedy round."""
+    import math
+
+    from blockfold.plan import MethodPlan, gib
+    from blockfold.settings import AttentionBudget
+
+    settings, num_layers, d, budget = context.settings, context.num_layers, context.hidden_size, context.budget
+    plan = MethodPlan()
+    count = (settings.num_attention_layers(num_layers) if isinstance(settings, AttentionBudget)
+             else settings.num_blocks(num_layers))
+    target = settings.ranks_sublayers
+    per_layer = SublayerLinearity.sums_bytes_for(1, d)
+    plan.observers.append(SublayerLinearity(num_layers, target))
+    criterion = settings.resolved_criterion(context.adapter) if hasattr(settings, "resolved_criterion") else "cosine"
+    rounds = count if settings.greedy else 1
+    if per_layer * num_layers <= budget:
+        plan.sums, per_round = per_layer * num_layers, 1
+        plan.stats_flops_per_token = num_layers * 10 * d * d
+        plan.notes.append(f"five d x d moments for each of the {num_layers} layers ({target})")
+    else:
+        group = max(1, budget // per_layer)
+        fits_maps = hasattr(settings, "linearity_criterion")  # DROP removes what it ranks, with no map to fit
+        fit_passes = math.ceil(count / group) if fits_maps else 0
+        score_passes = 1 if criterion == "cosine" else math.ceil(num_layers / group)
+        plan.sums, per_round = min(group, num_layers) * per_layer, score_passes + fit_passes
+        plan.stats_flops_per_token = (num_layers * (criterion != "cosine") + count) * 10 * d * d
+        plan.notes.append(f"{gib(per_layer * num_layers)} for all layers exceeds the budget: {score_passes} pass(es) "
+                          f"to score the layers ({criterion}), {fit_passes} for the chosen layers' moments, "
+                          f"{group} layer(s) per pass")
+    plan.passes = rounds * per_round
+    return plan

@@ -47,6 +47,7 @@ def _importance(job: Job, settings: PruneComp) -> tuple[dict[int, float], dict[i
         return {block: float(1.0 - cosine[block]) for block in range(job.num_layers)}, magnitude.finalize()
     losses = candidate_losses(job.handle, list(job.calibration), list(range(job.num_layers)),
                               job.runner.store_kind(job.calibration), job.runner.execution.offload_dir)
+    job.runner.passes += 1
     job.run([magnitude], description="magnitude pass")
     return losses, magnitude.finalize()
 
@@ -79,3 +80,18 @@ def compress_prune_comp(job: Job) -> dict:
         "selection": {"criterion": f"{settings.importance}_iterative", "order": removed,
                       "score": steps[-1]["importance"], "candidates": steps[0]["candidates"], "steps": steps},
     }
+
+
+def plan_prune_comp(context) -> "MethodPlan":
+    """Prune&Comp's plan for ``--dry-run``: one importance pass per removed block (two with perplexity)."""
+    from blockfold.plan import MethodPlan, gib
+
+    settings, num_layers = context.settings, context.num_layers
+    n = settings.num_blocks(num_layers)
+    perplexity = settings.importance == "perplexity"
+    note = "distances and per-channel magnitudes, one pass per removed block" + (
+        f" after one stream per candidate block ({gib(num_layers * context.tokens * context.hidden_size * context.element)})"
+        if perplexity else "")
+    return MethodPlan(passes=2 * n if perplexity else n, notes=[note],
+                      extra_forward=n * ((num_layers + 1) / 2 - 1) if perplexity else 0.0,
+                      observers=[SpanStatistics(num_layers, 1), StreamMagnitude(num_layers)])

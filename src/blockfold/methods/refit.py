@@ -394,6 +394,33 @@ def refit_after(job: Job, method) -> dict:
     return details
 
 
+def plan_refit_sums(context, plan) -> None:
+    """Add the refit's memory to a method's plan (``plan.MethodPlan``): its sums per projection and the
+    streams it keeps for every calibration token."""
+    from blockfold.plan import gib
+
+    settings, d = context.settings, context.hidden_size
+    intermediate = getattr(context.model.config, "intermediate_size", None) or 4 * d
+    # AᵀA and AᵀR; with the stream scale also AᵀH (the rest of the block's output)
+    refit_sums = intermediate * (intermediate + (2 if settings.refit_scale else 1) * d) * 8
+    plan.sums = max(plan.sums, refit_sums)
+    copies = 5 if settings.refit == "all" else 3  # "all" also keeps the original's two normed inputs
+    plan.notes.append(f"refit: {gib(refit_sums)} of sums per down-projection, and the original and compressed "
+                      f"streams kept for all calibration tokens ({gib(copies * context.tokens * d * context.element)})")
+
+
+def plan_refit_after(context, plan) -> None:
+    """The refit stage after a method that does not run it itself (``refit_after``): two passes, its sums
+    and streams, and the twin the original streams are recorded on."""
+    plan.passes += 2
+    plan_refit_sums(context, plan)
+    if context.pipeline == "whole":
+        plan.weight_copies += 1
+        plan.notes.append("refit stage: an unedited copy of the weights until the original streams are recorded")
+    else:
+        plan.notes.append("refit stage: the original streams recorded from the checkpoint (no copy of the weights)")
+
+
 @contextlib.contextmanager
 def _captured(linear: nn.Linear):
     """The inputs and output of ``linear`` in the forward run inside the block."""
@@ -409,4 +436,4 @@ def _captured(linear: nn.Linear):
         hook.remove()
 
 
-__all__ = ["DownstreamRefit", "RemovedSpan", "refit_after", "removed_spans"]
+__all__ = ["DownstreamRefit", "RemovedSpan", "plan_refit_after", "plan_refit_sums", "refit_after", "removed_spans"]

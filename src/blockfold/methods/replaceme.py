@@ -35,7 +35,7 @@ from blockfold.estimate import fit_numerically, fit_span_map, linear_contributio
 from blockfold.data import Batch, CalibrationSet
 from blockfold.errors import BlockfoldError
 from blockfold.methods.base import Job
-from blockfold.methods.refit import DownstreamRefit, RemovedSpan
+from blockfold.methods.refit import DownstreamRefit, RemovedSpan, plan_refit_sums
 from blockfold.select import SpanChoice, best_span, best_spans, by_start, span_criteria, span_label, split_budget
 from blockfold.settings import ReplaceMe
 from blockfold.stats import NormalEquations, SpanRows, SpanSample, SpanStatistics, SpanTable
@@ -561,3 +561,63 @@ def _table(values) -> dict[str, dict[str, float]]:
 
 
 __all__ = ["SpanMeasurement", "closed_form_map", "compress_replaceme", "measure_spans", "refit_equations"]
+
+
+def plan_span_removal(context) -> "MethodPlan":
+    """ReplaceMe's (and UIDL's) plan for ``--dry-run``: the span statistics its criterion needs (screened
+    in two passes where they exceed the memory budget), the fits, the models it builds and its refit."""
+    from blockfold.plan import MethodPlan, gib
+    from blockfold.select import split_budget
+    from blockfold.stats import SpanStatistics
+    from blockfold.stats.similarity import StreamSimilarity
+
+    settings, num_layers, d, budget = context.settings, context.num_layers, context.hidden_size, context.budget
+    plan = MethodPlan()
+    n = settings.num_blocks(num_layers)
+    counts = settings.span_counts(n)
+    lengths = sorted({length for count in counts for length in split_budget(n, count)})
+    criterion = settings.criterion
+    need_all = criterion in ("fit_error", "fit_error_stream")
+    weighted = criterion == "fit_error_stream"  # the per-token weighted sums serve it alone
+    estimator = getattr(settings, "estimator", "identity")
+    starts = {length: num_layers - length for length in lengths}
+    full = sum(SpanStatistics.sums_bytes_for(count, d, "full", weighted) for count in starts.values())
+    moments = StreamSimilarity.sums_bytes_for(num_layers, len(lengths), d) if criterion in ("cka", "cca") else 0
+    plan.observers.append(SpanStatistics(num_layers, n, max(lengths)))
+    if estimator == "identity" and not need_all:
+        plan.sums, mode = moments, "no normal equations (plain removal: scalars only)"
+    elif full + moments <= budget:
+        plan.sums, mode = full + moments, f"full normal equations for all {sum(starts.values())} candidates"
+        plan.stats_flops_per_token = sum(starts.values()) * (8 if weighted else 4) * d * d
+    elif need_all:
+        per_start = SpanStatistics.sums_bytes_for(1, d, "full", weighted)
+        keep = max(1, (budget - moments) // (per_start * len(lengths)))
+        plan.sums = keep * per_start * len(lengths) + moments
+        plan.passes += 1
+        plan.stats_flops_per_token = keep * len(lengths) * (8 if weighted else 4) * d * d
+        mode = (f"{gib(full)} for all candidates exceeds the budget: pass 1 screens every start with d-sized sums, "
+                f"pass 2 accumulates full sums for the best {keep} per length")
+    else:
+        plan.sums, mode = moments, "distances only; the chosen span's sums in a refit pass"
+        plan.passes += 1
+    plan.notes.append(mode)
+    # a numerical fit (cosine, or a fold past a post-MLP norm) samples its tokens in a pass per span folded
+    sample = int(isinstance(settings, ReplaceMe) and (settings.estimator == "cosine" or not context.adapter.folds_exactly))
+    if getattr(settings, "greedy", False):
+        plan.passes = n * (1 + sample)  # per round: the statistics, and the sample
+    # later spans are refitted on the compressed model; a refit records the original streams to the
+    # span's end, then runs both streams through the later blocks, twice
+    refit = 2 if settings.refit != "none" else 0
+    build = {count: count - 1 + refit + (count * sample if not getattr(settings, "greedy", False) else 0)
+             for count in counts}
+    plan.passes += build[counts[0]] if len(counts) == 1 else sum(b + 1 for b in build.values()) + max(build.values())
+    if refit:
+        plan_refit_sums(context, plan)
+    if len(counts) > 1:
+        plan.weight_copies = 2  # the original beside one candidate's copy
+        plan.notes.append(f"spans auto: the model built with {', '.join(map(str, counts))} spans on a copy (another "
+                          f"{'copy of the weights' if context.pipeline == 'whole' else 'skeleton over the checkpoint'}), "
+                          "each fitted without an eighth of the calibration and scored with one pass of its loss on "
+                          "it, then the chosen count's model built again in place (counted at most: touching spans "
+                          "build one model once)")
+    return plan

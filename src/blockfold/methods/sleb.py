@@ -58,6 +58,7 @@ def compress_sleb(job: Job) -> dict:
     for _ in bar(range(count), desc="SLEB", unit="block"):
         perplexities = candidate_losses(job.handle, batches, list(range(job.num_layers)),
                                         job.runner.store_kind(batches), job.runner.execution.offload_dir)
+        job.runner.passes += 1  # one sweep of the layers, a stream per candidate
         best = min(perplexities, key=perplexities.get)
         steps.append({"removed": original_index[best], "calibration_perplexity": perplexities[best],
                       "candidates": {original_index[b]: v for b, v in perplexities.items()}})
@@ -70,3 +71,15 @@ def compress_sleb(job: Job) -> dict:
                       "score": steps[-1]["calibration_perplexity"], "candidates": steps[0]["candidates"],
                       "steps": steps},
     }
+
+
+def plan_sleb(context) -> "MethodPlan":
+    """SLEB's plan for ``--dry-run``: one step per removed block, each keeping a stream per candidate."""
+    from blockfold.plan import MethodPlan, gib
+
+    streams = context.num_layers * context.tokens * context.hidden_size * context.element
+    steps = context.settings.num_blocks(context.num_layers)
+    # each sweep runs every candidate's stream through the blocks after it: about num_layers / 2 passes of work
+    return MethodPlan(passes=steps, extra_forward=steps * ((context.num_layers + 1) / 2 - 1),
+                      notes=[f"one stream per candidate block: {gib(streams)} of hidden states (use a small "
+                             "calibration set)"])

@@ -69,6 +69,7 @@ def _train_in_place(job: Job, start: int, end: int, settings: Streamline) -> lis
             with program.layer(index) as (_, run):
                 for number in range(len(batches)):
                     program.set_hidden(number, run(program.hidden(number), number))
+        job.runner.passes += 1
         block = handle.layers()[start]
         with handle.materialized(block):
             trained = copy.deepcopy(block).float()
@@ -94,3 +95,16 @@ def _train_in_place(job: Job, start: int, end: int, settings: Streamline) -> lis
         handle.own(block.get_submodule(owner_name) if owner_name else block, attr, trained_values[name].detach())
     logger.info("block %d trained in place of blocks %d-%d: MSE %.4g -> %.4g", start, start, end - 1, losses[0], losses[-1])
     return losses
+
+
+def plan_streamline(context) -> "MethodPlan":
+    """LLM-Streamline's plan for ``--dry-run``: span distances, then the streams around the chosen span
+    (kept for the training, which reads them back)."""
+    from blockfold.plan import MethodPlan, gib
+
+    settings, num_layers = context.settings, context.num_layers
+    n = settings.num_blocks(num_layers)
+    kept = 2 * context.tokens * context.hidden_size * context.element
+    return MethodPlan(passes=2, observers=[SpanStatistics(num_layers, n + 1)],
+                      notes=[f"span distances; the stream before and after the span kept for all calibration tokens "
+                             f"({gib(kept)}), then {settings.train_steps} training steps on one block"])
