@@ -4,7 +4,9 @@ API and the errors read it, and no other source file lists methods by hand."""
 from __future__ import annotations
 
 import ast
+import json
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -70,3 +72,41 @@ def test_the_command_line_reference_is_current():
 
     written = (Path(__file__).resolve().parents[1] / "docs" / "cli.md").read_text(encoding="utf-8")
     assert written == reference_markdown(), "docs/cli.md is stale: run scripts/cli-reference.sh"
+
+
+@pytest.fixture
+def deepest_method(monkeypatch):
+    """docs/methods.md's example, registered for one test."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "docs" / "examples"))
+    import deepest_method
+
+    yield deepest_method
+    SETTINGS.pop("deepest")
+    METHODS.pop("deepest", None)
+    sys.modules.pop("deepest_method")
+
+
+def test_a_method_is_added_by_one_registration(deepest_method, tmp_path, capsys):
+    """The guide's example: its flags, listing, recipe, dry-run plan, run and refit stage all come from
+    the one registration."""
+    from conftest import tiny_folder_and_corpus
+
+    from blockfold.cli import build_parser
+    from blockfold.plan import plan_for
+    from blockfold.recipe import Recipe
+    from blockfold.runtime import Execution
+
+    folder, corpus = tiny_folder_and_corpus(tmp_path)
+    assert main(["methods", "deepest"]) == 0 and "refit = none" in capsys.readouterr().out
+    help_text = build_parser()._subparsers._group_actions[0].choices["compress"].format_help()
+    assert "deepest" in help_text
+    common = ["--model", str(folder), "--calib", str(corpus), "--num-seqs", "8", "--seq-len", "24", "--method", "deepest",
+              "--blocks", "2"]
+    for extra, passes in (([], 0), (["--refit", "all"], 2)):
+        out = tmp_path / f"out{len(extra)}"
+        assert main(["compress", *common, *extra, "--out", str(out)]) == 0
+        manifest = json.loads((out / "blockfold_manifest.json").read_text())
+        assert manifest["removed_blocks"] == [3, 4] and manifest["execution"]["passes"] == passes
+        assert ("refit" in manifest) == bool(extra)
+        recipe = Recipe.from_yaml(out / "blockfold_recipe.yaml")
+        assert plan_for(str(folder), recipe, Execution()).numbers["passes"] == passes

@@ -546,8 +546,8 @@ def cmd_compress(args) -> int:
         _changes(manifest),
         ("parameters", f"{manifest['original_parameters'] / 1e6:.1f}M -> {manifest['parameters'] / 1e6:.1f}M "
                        f"({manifest['parameters'] / manifest['original_parameters']:.3f}x)"),
-        (f"selection ({selection['criterion']})", f"{selection['score']:.4f}"),
-        ("best candidates", _candidates(selection)),
+        *([(f"selection ({selection['criterion']})", f"{selection['score']:.4f}")] if "score" in selection else []),
+        *([("best candidates", _candidates(selection))] if selection.get("candidates") else []),
         ("calibration", f"{manifest['calibration']['source']}: {manifest['calibration']['sequences']} seqs, "
                         f"{manifest['calibration']['tokens']} tokens"),
         ("ran", f"{run['pipeline']} pipeline on {run['device']} in {run['dtype']}, {run['passes']} pass(es)"
@@ -578,6 +578,8 @@ def cmd_compress(args) -> int:
         rows.append(("perplexity", f"{before['perplexity']:.2f} -> {after['perplexity']:.2f} "
                                    f"({after['perplexity'] / before['perplexity']:.2f}x, {after['windows']} windows)"))
     rows.append(("saved", f"{out} ({manifest['saved_dtype']})"))
+    rows.append(("next", f"blockfold eval --model {out} --tasks piqa,arc_easy   (accuracy against the original); "
+                         f"blockfold bench --model {out}   (speed)"))
     _print_table(rows, "blockfold compress")
     return 0
 

@@ -67,17 +67,15 @@ class MethodPlan:
         return self.passes + self.extra_forward
 
 
-def plan_one_pass(context: PlanContext) -> MethodPlan:
-    """A method that declares no planner: one pass of block distances."""
-    from blockfold.stats import SpanStatistics
-
-    return MethodPlan(observers=[SpanStatistics(context.num_layers, 1)], notes=["distances only"])
+def plan_no_pass(context: PlanContext) -> MethodPlan:
+    """A method that declares no planner runs no calibration pass."""
+    return MethodPlan(passes=0, notes=["no calibration pass"])
 
 
 def planner_of(settings_class: type[MethodSettings]):
-    """The method's planner: ``settings_class.planner`` (``module:function``), or one pass."""
+    """The method's planner: ``settings_class.planner`` (``module:function``), or none."""
     if settings_class.planner is None:
-        return plan_one_pass
+        return plan_no_pass
     import importlib
 
     module, function = settings_class.planner.split(":")

@@ -50,7 +50,7 @@ class MethodSettings(Strict):
     runs_on_images: ClassVar[bool] = False
     #: the sublayers the method ranks by their linearity statistics ("attention" or "block"), or None
     ranks_sublayers: ClassVar[str | None] = None
-    #: ``module:function`` of the method's plan for ``--dry-run`` (plan.MethodPlan); None: one pass
+    #: ``module:function`` of the method's plan for ``--dry-run`` (plan.MethodPlan); None: no pass
     planner: ClassVar[str | None] = None
     @classmethod
     def summary(cls) -> str:
@@ -306,6 +306,7 @@ class DropBlock(RefitStage, BlockBudget):
 
     method: ClassVar[str] = "drop-block"
     runner: ClassVar[str] = "blockfold.methods.baselines:compress_drop_blocks"
+    planner: ClassVar[str | None] = "blockfold.methods.baselines:plan_drop_blocks"
     runs_on_images: ClassVar[bool] = True
 
 
@@ -381,6 +382,31 @@ SETTINGS: dict[str, type[MethodSettings]] = {
                                 LinearPatch, Streamline)
 }
 DEFAULT_METHOD = next(iter(SETTINGS))
+
+
+def register_method(settings_class: type[MethodSettings]) -> type[MethodSettings]:
+    """Add a method to the registry (usable as a class decorator): from then on the CLI, the API, recipes,
+    sweep and ``blockfold methods`` know it. A package can register its methods when blockfold starts by
+    naming the module in the ``blockfold.methods`` entry-point group (docs/methods.md)."""
+    name = getattr(settings_class, "method", None)
+    if not isinstance(name, str) or not isinstance(getattr(settings_class, "runner", None), str):
+        raise BlockfoldError(f"{settings_class.__name__} needs the class variables method (its name) and runner "
+                             "('module:function') to be registered")
+    if name in SETTINGS and SETTINGS[name] is not settings_class:
+        raise BlockfoldError(f"a method named {name!r} is registered already ({SETTINGS[name].__name__})")
+    SETTINGS[name] = settings_class
+    return settings_class
+
+
+def _load_plugins() -> None:
+    """Import the modules of the ``blockfold.methods`` entry-point group: each registers its methods."""
+    from importlib.metadata import entry_points
+
+    for entry in entry_points(group="blockfold.methods"):
+        entry.load()
+
+
+_load_plugins()
 
 
 def methods_where(predicate) -> list[str]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import tempfile
 import time
 from contextlib import contextmanager
@@ -73,6 +74,10 @@ def in_eval_dtype(model, dtype: str, copy_first: bool):
 @contextmanager
 def emissions(record: dict, key: str, country: str):
     """Adds ``record[key] = kg CO₂eq`` of the block (codecarbon offline tracker; NaN if unavailable)."""
+    # codecarbon logs its set-up (INFO) and that several trackers may run (WARNING) before log_level applies
+    codecarbon_logger = logging.getLogger("codecarbon")
+    level = codecarbon_logger.level
+    codecarbon_logger.setLevel(logging.ERROR)
     try:
         from codecarbon import OfflineEmissionsTracker
 
@@ -80,6 +85,8 @@ def emissions(record: dict, key: str, country: str):
         tracker.start()
     except Exception:  # codecarbon missing or unable to measure here: the run goes on without it
         tracker = None
+    finally:
+        codecarbon_logger.setLevel(level)
     try:
         yield
     finally:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import logging
+import re
 import math
 import os
 from contextlib import contextmanager
@@ -157,16 +158,22 @@ def _bootstrap_in_process():
             os.environ["DISABLE_MULTIPROC"] = before
 
 
-#: lm-eval's warning for a model given as an object, which is how blockfold always gives it (its
+#: lm-eval's warnings for a model given as an object, which is how blockfold always gives it (their
 #: advice, not to launch through accelerate or parallelize, does not apply)
-IN_MEMORY_MODEL_WARNING = "`pretrained` model kwarg is not of type `str`"
+IN_MEMORY_MODEL_WARNINGS = ("`pretrained` model kwarg is not of type `str`",
+                            "Passed an already-initialized model through `pretrained`")
+#: lm-eval's warning that the few-shot count blockfold passes replaces a task's: where the task had none
+#: it replaces nothing (a task with a default of its own still warns)
+NO_FEWSHOT_DEFAULT = re.compile(r"Overwriting default num_fewshot of \S+ from None to ")
 
 
 @contextmanager
-def _without_record(logger: logging.Logger, prefix: str):
-    """Drop ``logger``'s records that start with ``prefix`` while the block runs; the rest pass."""
+def _without_record(logger: logging.Logger, *prefixes: str, pattern: re.Pattern | None = None):
+    """Drop ``logger``'s records that start with one of ``prefixes`` (or match ``pattern``) while the
+    block runs; the rest pass."""
     def keep(record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith(prefix)
+        message = record.getMessage()
+        return not (message.startswith(prefixes) or (pattern is not None and pattern.match(message)))
 
     logger.addFilter(keep)
     try:
@@ -183,12 +190,12 @@ def evaluate_tasks(model, tokenizer, names: list[str], limit: int | None = None,
     from lm_eval.models.huggingface import HFLM
 
     configs = task_configs(names, data, data_dir)
-    with _without_record(logging.getLogger("lm_eval.models.huggingface"), IN_MEMORY_MODEL_WARNING):
+    with _without_record(logging.getLogger("lm_eval.models.huggingface"), *IN_MEMORY_MODEL_WARNINGS):
         lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
     results = {}
     for name, task_list in configs.items():
         tasks = [ConfigurableTask(config=config) for config in task_list]
-        with _bootstrap_in_process():
+        with _bootstrap_in_process(), _without_record(logging.getLogger("lm_eval.evaluator"), pattern=NO_FEWSHOT_DEFAULT):
             output = simple_evaluate(model=lm, tasks=tasks, task_manager=_task_manager(), num_fewshot=fewshot, limit=limit,
                                      log_samples=False, bootstrap_iters=0 if len(tasks) > 1 else BOOTSTRAP_ITERS,
                                      verbosity="WARNING")

@@ -22,8 +22,16 @@ def _runner(path: str) -> Callable[[Job], dict]:
     return getattr(importlib.import_module(module), function)
 
 
-#: method name → function(job) -> manifest entries
-METHODS: dict[str, Callable[[Job], dict]] = {name: _runner(cls.runner) for name, cls in SETTINGS.items()}
+class _Functions(dict):
+    """Method name → function(job) -> manifest entries; a method registered after this import is
+    looked up in the registry when first asked for."""
+
+    def __missing__(self, name: str) -> Callable[[Job], dict]:
+        function = self[name] = _runner(SETTINGS[name].runner)
+        return function
+
+
+METHODS: dict[str, Callable[[Job], dict]] = _Functions({name: _runner(cls.runner) for name, cls in SETTINGS.items()})
 
 
 

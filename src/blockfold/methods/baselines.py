@@ -36,3 +36,10 @@ def compress_drop_blocks(job: Job) -> dict:
         "selection": {"criterion": "cosine_distance_per_block", "candidates": distances,
                       "score": sum(distances[b] for b in blocks) / count},
     }
+
+
+def plan_drop_blocks(context) -> "MethodPlan":
+    """DROP's plan for ``--dry-run``: one pass of the distance across each block."""
+    from blockfold.plan import MethodPlan
+
+    return MethodPlan(observers=[SpanStatistics(context.num_layers, 1)], notes=["distances only"])
