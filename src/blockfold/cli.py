@@ -261,7 +261,8 @@ def setting_flags() -> dict[str, tuple[str, list[str]]]:
 def _add_eval(sub) -> None:
     p = sub.add_parser("eval", help="perplexity and task accuracy of a model (and of the original it was compressed from)")
     p.add_argument("--model", required=True)
-    p.add_argument("--ppl", help=f"perplexity text (default {DEFAULT_PPL_TEXT} when no --tasks are given)")
+    p.add_argument("--ppl", nargs="?", const=str(DEFAULT_PPL_TEXT), metavar="TEXT",
+                   help=f"measure perplexity on TEXT (alone: {DEFAULT_PPL_TEXT}; the default when no --tasks are given)")
     p.add_argument("--tasks", help="lm-evaluation-harness tasks, comma-separated: piqa, arc_easy, arc_challenge, hellaswag, "
                                    "winogrande, boolq, sciq, openbookqa, lambada_openai, mmlu")
     p.add_argument("--limit", type=int, help="first N examples per task")
@@ -334,9 +335,9 @@ def _add_analyze(sub) -> None:
 
 
 def _add_sweep(sub) -> None:
-    p = sub.add_parser("sweep", help="every method at every budget: ppl, tasks, RP, size, speed, CO2eq -> RUN_DIR/sweep.json")
+    p = sub.add_parser("sweep", help="every method at every budget: ppl, tasks, RP, size, speed, CO2eq, and a report")
     p.add_argument("--model", required=True)
-    p.add_argument("--out", required=True, help="run folder (then: blockfold report RUN_DIR)")
+    p.add_argument("--out", required=True, help="run folder: sweep.json, report.html, report.md, figures")
     p.add_argument("--overwrite", action="store_true")
     p.add_argument("--methods", default="replaceme,uidl")
     p.add_argument("--budgets", default="2,4,6,8",
@@ -362,7 +363,7 @@ def _add_sweep(sub) -> None:
 
 
 def _add_report(sub) -> None:
-    p = sub.add_parser("report", help="render RUN_DIR/sweep.json as report.html (self-contained) and report.md")
+    p = sub.add_parser("report", help="render RUN_DIR/sweep.json again as report.html and report.md (sweep writes them)")
     p.add_argument("run_dir")
 
 
@@ -737,17 +738,30 @@ def cmd_sweep(args) -> int:
     result = run_sweep(config, Path(args.out), args.overwrite)
     if not distributed.current().is_main:  # rank 0 wrote the folder
         return 0
+    from blockfold.report.render import render_report
+    from blockfold.select import span_label
+
+    report = render_report(args.out)
     original = result["original"]
     rows = [("original", f"ppl {original.get('perplexity', float('nan')):.2f}, "
                          f"{original['parameters']['parameters'] / 1e6:.1f}M parameters")]
+    checkpoint = None
     for run in result["runs"]:
         rp = run.get("relative_performance", {}).get("average")
+        removed = f"blocks {span_label(run['removed_blocks'])} removed, " if run.get("removed_blocks") else ""
         rows.append((f"{run['method']} {run['budget']}",
-                     f"ppl {run.get('perplexity', float('nan')):.2f}, {run['parameters']['parameters'] / 1e6:.1f}M parameters"
+                     removed + f"ppl {run.get('perplexity', float('nan')):.2f}, "
+                     f"{run['parameters']['parameters'] / 1e6:.1f}M parameters"
                      + (f", RP {rp['rp']:.3f} ± {rp['stderr']:.3f}" if rp else "")
-                     + f", prefill {speedup_label(run['speed'])}" + (f", saved {args.out}/{run['checkpoint']}" if run.get("checkpoint") else "")))
+                     + f", prefill {speedup_label(run['speed'])}"))
+        if run.get("checkpoint"):
+            checkpoint = f"{args.out}/{run['checkpoint']}"
+            rows.append(("  saved", f"{checkpoint} (loads with AutoModelForCausalLM.from_pretrained)"))
     rows.append(("time", f"{result['seconds'] / 60:.1f} min"))
-    rows.append(("saved", f"{args.out}/sweep.json (next: blockfold report {args.out})"))
+    rows.append(("report", f"{report['html']} (and {report['markdown'].name}; figures and every number in "
+                           f"{args.out}/sweep.json)"))
+    if checkpoint is not None:
+        rows.append(("next", f"blockfold export --model {checkpoint} --out {checkpoint}.gguf --quant q8_0   (llama.cpp)"))
     _print_table(rows, f"blockfold sweep: {args.model}")
     return 0
 

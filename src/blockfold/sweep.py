@@ -5,7 +5,7 @@ and measured: perplexity, harness tasks (the original's are cached by weight fin
 performance, parameters, KV-cache bytes per token, prefill speed against the original (same
 process, interleaved), and CO₂eq of the compress and of the evaluation (codecarbon's offline
 tracker). An optional placement study fixes the span length and measures every start. Everything
-goes to ``sweep.json``; ``blockfold report`` renders it.
+goes to ``sweep.json``, which the CLI then renders as the report (``blockfold report`` renders it again).
 """
 
 from __future__ import annotations
@@ -74,13 +74,14 @@ def in_eval_dtype(model, dtype: str, copy_first: bool):
 @contextmanager
 def emissions(record: dict, key: str, country: str):
     """Adds ``record[key] = kg CO₂eq`` of the block (codecarbon offline tracker; NaN if unavailable)."""
-    # codecarbon logs its set-up (INFO) and that several trackers may run (WARNING) before log_level applies
+    # codecarbon logs its set-up (INFO) and that several trackers may run (WARNING) before log_level applies;
+    # its import sets the level, so the level is raised after it
     codecarbon_logger = logging.getLogger("codecarbon")
     level = codecarbon_logger.level
-    codecarbon_logger.setLevel(logging.ERROR)
     try:
         from codecarbon import OfflineEmissionsTracker
 
+        codecarbon_logger.setLevel(logging.ERROR)
         tracker = OfflineEmissionsTracker(country_iso_code=country, output_methods=[], log_level="error")
         tracker.start()
     except Exception:  # codecarbon missing or unable to measure here: the run goes on without it
