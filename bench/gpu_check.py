@@ -31,6 +31,9 @@ from blockfold.runtime import Execution
 DATA = Path(os.environ.get("BLOCKFOLD_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
 #: the largest relative perplexity difference a GPU run may have against the CPU run
 TOLERANCE = 0.01
+#: ... after the healing stage, whose Adam steps in another precision move further (a first check: no GPU
+#: figure yet says how far)
+HEAL_TOLERANCE = 0.03
 
 CASES = [
     ("smollm2-135m", {"blocks": 8}),
@@ -39,6 +42,8 @@ CASES = [
     ("smollm2-135m", {"method": "nbl", "attention_layers": 8}),
     ("gemma3-270m", {"blocks": 4, "sandwich_fold": "linearized-norm", "cosine": {"steps": 20}}),
     ("gemma3-270m", {"blocks": 4, "sandwich_fold": "through-norm", "cosine": {"steps": 20}}),
+    # the healing stage trains the resident model: it refuses the sequential pipeline, so that run is left out
+    ("smollm2-135m", {"blocks": 8, "heal": {"mode": "lt", "steps": 20, "data": {"num_sequences": 16}}}),
 ]
 RUNS = [("cpu", "float32", "whole"), ("cuda", "float32", "whole"), ("cuda", "bfloat16", "whole"),
         ("cuda", "bfloat16", "sequential")]
@@ -58,6 +63,8 @@ def main() -> int:
                                                            "num_sequences": 32, "sequence_length": 256}})
         results = {}
         for device, dtype, pipeline in RUNS:
+            if "heal" in settings and pipeline == "sequential":
+                continue
             execution = Execution(device=device, dtype=dtype, pipeline=pipeline)
             handle = blockfold.open_model(spec, execution)
             calibration = build_calibration(recipe.calibration, handle.tokenizer)
@@ -77,7 +84,7 @@ def main() -> int:
         reference = results[("cpu", "float32", "whole")]
         for key, got in results.items():
             same = got["removed"] == reference["removed"] and got["replaced"] == reference["replaced"]
-            close = abs(got["ppl"] / reference["ppl"] - 1) <= TOLERANCE
+            close = abs(got["ppl"] / reference["ppl"] - 1) <= (HEAL_TOLERANCE if "heal" in settings else TOLERANCE)
             row = {"model": spec, "recipe": settings, "device": key[0], "dtype": key[1], "pipeline": key[2], **got,
                    "same_selection": same, "ppl_within_1pct": close}
             rows.append(row)

@@ -132,3 +132,24 @@ def test_half_precision_healing_on_an_accelerator_lowers_the_loss_as_float32_doe
     assert float32_fall > 0 and 0.8 * float32_fall <= half <= 1.2 * float32_fall, (half, float32_fall)
     assert record["master_weights"] == "float32" and record["skipped_steps"] == 0
     assert (record["loss_scale"] is not None) == (dtype == torch.float16)
+
+
+def test_healing_is_a_stage_of_compress_after_any_method(tmp_path, capsys):
+    """compress --heal: the method, then the training, in one command; lt is refused where nothing was
+    folded, and a run layer by layer refuses the stage before any pass, each in one line."""
+    from conftest import tiny_folder_and_corpus
+
+    folder, corpus = tiny_folder_and_corpus(tmp_path)
+    common = ["compress", "--model", str(folder), "--calib", str(corpus), "--num-seqs", "8", "--seq-len", "24",
+              "--blocks", "2", "--set", "heal.data.num_sequences=4", "--set", "heal.data.sequence_length=24"]
+    out = tmp_path / "healed"
+    assert main([*common, "--method", "drop-block", "--heal", "lora", "--heal-steps", "2", "--out", str(out)]) == 0
+    manifest = json.loads((out / "blockfold_manifest.json").read_text())
+    assert manifest["method"] == "drop-block" and manifest["healing"]["mode"] == "lora"
+    assert manifest["healing"]["steps"] == 2 and manifest["recipe"]["heal"]["data"]["source"] == str(corpus)
+    assert "healed" in capsys.readouterr().out
+    for flags, message in ((["--method", "sleb", "--heal", "lt"], "sleb folds none: use --heal lora"),
+                           (["--heal", "lora", "--pipeline", "sequential"], "trains the whole model in memory")):
+        assert main([*common, *flags, "--out", str(tmp_path / "refused")]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("blockfold: error") == 1 and not (tmp_path / "refused").exists()

@@ -221,6 +221,10 @@ def compress(
                                  "layer by layer: give --calib FILE, or --pipeline whole where the model fits")
         calibration = build_calibration(recipe.calibration, tokenizer, handle.model)
     runner = Runner(handle, execution)
+    if recipe.heal is not None and runner.pipeline != "whole":
+        raise BlockfoldError("the healing stage trains the whole model in memory, and this one runs layer by layer: "
+                             "use --pipeline whole where it fits, or compress without --heal and run `blockfold heal` "
+                             "on the output")
     if runner.checkpoints is not None:
         runner.checkpoints.claim({"recipe": recipe.model_dump(mode="json"), "model": source_fingerprint,
                                   "calibration": calibration_digest(calibration.batches),
@@ -263,7 +267,10 @@ def compress(
     # what eval and bench compare against (spec None: a model built in memory has no name to reload)
     manifest["source_model"] = {"spec": handle.spec, "path": str(handle.path) if handle.path else None,
                                 "fingerprint": source_fingerprint}
-    return CompressionResult(handle, manifest, recipe, default_save_dtype=saved_dtype(execution.save_dtype))
+    result = CompressionResult(handle, manifest, recipe, default_save_dtype=saved_dtype(execution.save_dtype))
+    if recipe.heal is not None and runner.ranks.is_main:  # the last stage: rank 0 trains what it saves
+        result = heal(result, recipe.heal, execution=execution)
+    return result
 
 
 def evaluate(

@@ -124,6 +124,10 @@ def _add_compress(sub) -> None:
     p.add_argument("--no-resume", action="store_true", help="start afresh instead of resuming .<out>.resume")
     p.add_argument("--checkpoint-seconds", type=float, metavar="S", help="seconds between checkpoints of a pass")
     _add_method_settings(p)
+    group = p.add_argument_group("healing stage (after any method)")
+    group.add_argument("--heal", choices=["lt", "lora"], metavar="MODE",
+                       help="then train briefly: lt (the folded down-projections) or lora; --set heal.FIELD=VALUE")
+    group.add_argument("--heal-steps", type=int, metavar="N", help="training steps (default 100)")
     group = p.add_argument_group("calibration")
     group.add_argument("--calib", metavar="SOURCE", help="file, dataset or mix 'a:0.5,b:0.5' (default: self-generated)")
     group.add_argument("--num-seqs", type=int, metavar="N", help="calibration sequences (default 64)")
@@ -442,10 +446,12 @@ def _recipe_from_args(args):
         raise BlockfoldError(f"{names} {'does' if len(refused) == 1 else 'do'} not apply to method {method!r}; its "
                              f"flags are {', '.join(_method_flags(fields))}")
     on_command_line = {flags[dest]: value for dest, value in given.items()}
-    calibration_set = {}
+    calibration_set, heal_set = {}, {}
     for key, value in _set_values(getattr(args, "set_values", None) or []).items():
         if key.startswith("calibration."):
             calibration_set[key.removeprefix("calibration.")] = value
+        elif key.startswith("heal."):
+            heal_set[key.removeprefix("heal.")] = value
         else:
             on_command_line[key] = value
     if any(key in BUDGET_FIELDS for key in on_command_line):
@@ -458,9 +464,22 @@ def _recipe_from_args(args):
                         if getattr(args, flag, None) is not None})
     for key, value in calibration_set.items():
         _put(calibration, key, value)
+    heal = data.get("heal")
+    heal = _deep_copy(heal) if isinstance(heal, dict) else None
+    given_heal = {"mode": getattr(args, "heal", None), "steps": getattr(args, "heal_steps", None)}
+    if any(value is not None for value in given_heal.values()) or heal_set:
+        heal = heal or {}
+        heal.update({key: value for key, value in given_heal.items() if value is not None})
+        for key, value in heal_set.items():
+            _put(heal, key, value)
     origin = f"recipe ({args.recipe} with the flags given)" if args.recipe else "recipe"
     return Recipe.parse({**({"recipe_version": data["recipe_version"]} if "recipe_version" in data else {}),
-                         "method": method, "settings": settings, "calibration": calibration}, origin=origin)
+                         "method": method, "settings": settings, "calibration": calibration,
+                         **({"heal": heal} if heal is not None else {})}, origin=origin)
+
+
+def _deep_copy(value: dict) -> dict:
+    return {key: _deep_copy(inner) if isinstance(inner, dict) else inner for key, inner in value.items()}
 
 
 def _print_table(rows: list[tuple[str, str]], title: str) -> None:
@@ -578,6 +597,10 @@ def cmd_compress(args) -> int:
     if after is not None:
         rows.append(("perplexity", f"{before['perplexity']:.2f} -> {after['perplexity']:.2f} "
                                    f"({after['perplexity'] / before['perplexity']:.2f}x, {after['windows']} windows)"))
+    if "healing" in manifest:
+        healing = manifest["healing"]
+        rows.append(("healed", f"{healing['mode']}, {healing['steps']} steps, loss {healing['loss_first_steps']:.3f} "
+                               f"-> {healing['loss_last_steps']:.3f} ({healing['seconds']:.0f} s)"))
     rows.append(("saved", f"{out} ({manifest['saved_dtype']})"))
     rows.append(("next", f"blockfold eval --model {out} --tasks piqa,arc_easy   (accuracy against the original); "
                          f"blockfold bench --model {out}   (speed)"))

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 
 import torch
 from transformers import PreTrainedModel
@@ -155,8 +156,10 @@ def heal(model: PreTrainedModel, data: CalibrationSet, config: HealConfig, manif
 
         targets = _lora_targets(model, set(scales))
         model.requires_grad_(False)
-        trained = get_peft_model(model, LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=0.0,
-                                                   target_modules=targets, bias="none"))
+        with warnings.catch_warnings():  # peft asks transformers a deprecated question; nothing a user can act on
+            warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+            trained = get_peft_model(model, LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha,
+                                                       lora_dropout=0.0, target_modules=targets, bias="none"))
         groups = [{"params": [p for p in trained.parameters() if p.requires_grad]}]
         what = {"target_modules": sorted({name.rsplit(".", 1)[-1] for name in targets}), "lora_rank": config.lora_rank,
                 "lora_alpha": config.lora_alpha}

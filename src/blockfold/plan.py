@@ -216,6 +216,10 @@ def plan_for(spec: str, recipe: Recipe, execution: Execution, accelerator_memory
         plan.add("batches", f"{calibration.batch_size} sequences per batch ({gib(per_batch)} of activations and windows)")
         peak = method_plan.weight_copies * weights + per_batch + sums
     plan.add("passes", f"{passes} over the calibration set")
+    if recipe.heal is not None:
+        heal = recipe.heal
+        plan.add("healing", f"then {heal.steps} {heal.mode} training steps on {heal.data.num_sequences} x "
+                            f"{heal.data.sequence_length} tokens (the model resident, with its gradients)")
     plan.add("peak memory", f"about {gib(peak)} on the device" + (f" of {gib(memory)}" if memory else ""))
 
     # -- time -----------------------------------------------------------------------------

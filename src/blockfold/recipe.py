@@ -110,6 +110,9 @@ class Recipe(Strict):
     method: str = "replaceme"
     settings: SerializeAsAny[MethodSettings]
     calibration: CalibrationConfig = Field(default_factory=CalibrationConfig)
+    #: the healing stage after the compression (``blockfold heal``'s settings); None: no healing. Its data
+    #: left without a source heals on the calibration source
+    heal: "HealConfig | None" = None
 
     @model_validator(mode="before")
     @classmethod
@@ -134,6 +137,17 @@ class Recipe(Strict):
                              f"{method!r}; its settings are {', '.join(settings_class.model_fields)}")
         data["settings"] = settings_class.model_validate(merged)
         return data
+
+    @model_validator(mode="after")
+    def _heal_on_the_calibration_source(self):
+        if self.heal is None:
+            return self
+        if self.heal.mode == "lt" and not self.settings.folds_maps():
+            raise ValueError(f"healing mode lt trains the down-projections a fitted map was folded into, and "
+                             f"{self.method} folds none: use --heal lora (heal.mode: lora)")
+        if "source" not in self.heal.data.model_fields_set and self.calibration.source:
+            self.heal.data._resolve("source", self.calibration.source)
+        return self
 
     @classmethod
     def of(cls, settings: MethodSettings, calibration: CalibrationConfig | dict | None = None) -> "Recipe":
@@ -322,3 +336,6 @@ class HealConfig(Strict):
         if self.learning_rate is None:
             self._resolve("learning_rate", 1e-4 if self.mode == "lt" else 5e-4)
         return self
+
+
+Recipe.model_rebuild()

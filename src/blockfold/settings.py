@@ -61,6 +61,10 @@ class MethodSettings(Strict):
         """What to add after the method's name in compress's summary (its map, its ranking), or ``""``."""
         return ""
 
+    def folds_maps(self) -> bool:
+        """True where the method folds fitted maps into down-projections (what healing's ``lt`` mode trains)."""
+        return False
+
 
 class BlockBudget(MethodSettings):
     """A budget in decoder blocks: ``blocks``, or ``ratio`` of the model's blocks (default 8 blocks)."""
@@ -204,6 +208,9 @@ class ReplaceMe(RefitStage, SpanSelection):
 
     def describe(self, selection: dict) -> str:
         return f" / {self.estimator}" + (f" (rank {self.rank})" if self.rank else "")
+
+    def folds_maps(self) -> bool:
+        return self.estimator != "identity"
 
     def default_refit(self) -> str:
         # a refit needs the spans before the surgery, and plain removal stays plain
