@@ -841,7 +841,7 @@ SECTIONS: dict[str, tuple[str | tuple[str, ...], Callable]] = {
                      "new_methods_12_part2.json", "new_methods_gemma_4_part4.json", "new_methods_8_spans.json",
                      "new_methods_4_spans.json"),
                     render_new_methods),
-    "refit-stage": (("refit_stage_8.json", "refit_stage_4.json", "refit_stage_12.json", "refit_stage_gemma_4.json"),
+    "refit-stage": (("refit_stage_8.json",),
                     render_refit_stage),
     "span-count": (("spans_auto_in_sample_12.json", "spans_auto_12.json", "spans_auto_8.json", "spans_auto_4.json",
                     "spans_auto_gemma_4.json", "spans_auto_12_v10.json"), render_span_count_search),

@@ -256,6 +256,7 @@ def compress(
         "recipe": recipe.saved(),
         "execution": {"pipeline": runner.pipeline, "device": str(handle.device),
                       "dtype": DTYPE_NAMES.get(handle.dtype, str(handle.dtype)), "passes": runner.passes,
+                      "sweeps": runner.sweeps,
                       "pass_seconds": runner.pass_seconds, "processes": runner.ranks.world_size,
                       **({"cached_passes": runner.cached_passes} if runner.cache is not None else {}),
                       **({"resumed_passes": runner.resumed_passes} if runner.checkpoints is not None else {}),

@@ -150,13 +150,13 @@ def compress_laco(job: Job) -> dict:
     original_index = list(range(job.num_layers))
     store_kind, offload_dir = job.runner.store_kind(batches), job.runner.execution.offload_dir
     reference = last_block_outputs(job.handle, batches, store_kind, offload_dir)
-    job.runner.passes += 1  # passes over LaCo's few sequences
+    job.runner.sweep()  # passes over LaCo's few sequences
     steps = []
     with bar(total=remaining, desc="LaCo", unit="block") as progress:
         while remaining:
             merged = min(settings.merge_layers - 1, remaining)
             scores = candidate_similarities(job.handle, batches, merged, reference, store_kind, offload_dir)
-            job.runner.passes += 1
+            job.runner.sweep()
             first = max(scores, key=scores.get)
             collapsed = original_index[first : first + merged + 1]
             logger.info("collapsing blocks %s into block %d (similarity %.4f)", collapsed[1:], collapsed[0], scores[first])

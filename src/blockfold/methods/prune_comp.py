@@ -47,7 +47,7 @@ def _importance(job: Job, settings: PruneComp) -> tuple[dict[int, float], dict[i
         return {block: float(1.0 - cosine[block]) for block in range(job.num_layers)}, magnitude.finalize()
     losses = candidate_losses(job.handle, list(job.calibration), list(range(job.num_layers)),
                               job.runner.store_kind(job.calibration), job.runner.execution.offload_dir)
-    job.runner.passes += 1
+    job.runner.sweep()
     job.run([magnitude], description="magnitude pass")
     return losses, magnitude.finalize()
 

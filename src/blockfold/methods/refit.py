@@ -156,7 +156,7 @@ class DownstreamRefit:
             if index in ends:
                 for number in range(len(self.batches)):
                     self.store.put(f"after{ends[index]}:{number}", program.hidden(number))
-        self.job.runner.passes += 1
+        self.job.runner.sweep()
 
     def apply(self) -> dict:
         """Refit on the compressed model (the spans removed); returns what was done, per block."""
@@ -232,7 +232,7 @@ class DownstreamRefit:
                     report.append(entry)
                 for number in range(len(self.batches)):
                     program.set_hidden(number, run(program.hidden(number), number))
-        job.runner.passes += 1
+        job.runner.sweep()
         refitted = [entry for entry in report if "relative_error_before" in entry]
         if refitted:
             logger.info("refitted the down-projections of %d blocks: relative error of their contribution %.4g -> %.4g "

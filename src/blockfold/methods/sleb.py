@@ -58,7 +58,7 @@ def compress_sleb(job: Job) -> dict:
     for _ in bar(range(count), desc="SLEB", unit="block"):
         perplexities = candidate_losses(job.handle, batches, list(range(job.num_layers)),
                                         job.runner.store_kind(batches), job.runner.execution.offload_dir)
-        job.runner.passes += 1  # one sweep of the layers, a stream per candidate
+        job.runner.sweep()  # one sweep of the layers, a stream per candidate
         best = min(perplexities, key=perplexities.get)
         steps.append({"removed": original_index[best], "calibration_perplexity": perplexities[best],
                       "candidates": {original_index[b]: v for b, v in perplexities.items()}})

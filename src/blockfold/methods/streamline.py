@@ -69,7 +69,7 @@ def _train_in_place(job: Job, start: int, end: int, settings: Streamline) -> lis
             with program.layer(index) as (_, run):
                 for number in range(len(batches)):
                     program.set_hidden(number, run(program.hidden(number), number))
-        job.runner.passes += 1
+        job.runner.sweep()
         block = handle.layers()[start]
         with handle.materialized(block):
             trained = copy.deepcopy(block).float()

@@ -49,6 +49,9 @@ class Runner:
         self.execution = execution or Execution()
         self.ranks = distributed.current()
         self.passes = 0
+        #: passes a method ran through its own layer program (a stream per candidate, recorded
+        #: activations): counted among ``passes``, never checkpointed or cached
+        self.sweeps = 0
         self.pass_seconds = 0.0  # time spent in passes, so the rest of a job (selection, fits) can be told apart
         self.cached_passes = 0
         self.resumed_passes = 0
@@ -57,6 +60,11 @@ class Runner:
         self.checkpoints = (Checkpoints(Path(self.execution.resume_dir), self.ranks.rank, self.execution.checkpoint_seconds)
                             if self.execution.resume_dir else None)
         self.cache = StatsCache(self.execution.stats_cache) if self.execution.stats_cache else None
+
+    def sweep(self) -> None:
+        """Count one pass a method ran through its own ``LayerProgram``."""
+        self.passes += 1
+        self.sweeps += 1
 
     @property
     def pipeline(self) -> str:
