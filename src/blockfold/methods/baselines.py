@@ -9,12 +9,16 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 from blockfold.methods.base import Job
 from blockfold.methods.replaceme import compress_replaceme
 from blockfold.settings import ReplaceMe
 from blockfold.stats import SpanStatistics
 from blockfold.surgery import remove_blocks
+
+if TYPE_CHECKING:
+    from blockfold.plan import MethodPlan, PlanContext
 
 
 def compress_uidl(job: Job) -> dict:
@@ -38,7 +42,7 @@ def compress_drop_blocks(job: Job) -> dict:
     }
 
 
-def plan_drop_blocks(context) -> "MethodPlan":
+def plan_drop_blocks(context: PlanContext) -> MethodPlan:
     """DROP's plan for ``--dry-run``: one pass of the distance across each block."""
     from blockfold.plan import MethodPlan
 

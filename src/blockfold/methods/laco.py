@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -33,6 +34,9 @@ from blockfold.pipelines.buffers import ActivationStore
 from blockfold.progress import bar
 from blockfold.settings import LaCo
 from blockfold.surgery import remove_blocks
+
+if TYPE_CHECKING:
+    from blockfold.plan import MethodPlan, PlanContext
 
 logger = logging.getLogger(__name__)
 
@@ -187,7 +191,7 @@ def _first_sequences(batches: list[Batch], count: int) -> list[Batch]:
     return kept
 
 
-def plan_laco(context) -> "MethodPlan":
+def plan_laco(context: PlanContext) -> MethodPlan:
     """LaCo's plan for ``--dry-run``: per merge round, one stream per candidate merge over its few sequences
     (about num_layers²/2 block runs), in units of passes over the whole calibration set."""
     import math

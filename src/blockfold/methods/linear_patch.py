@@ -15,6 +15,8 @@ parameters and one ``d × d`` product per token more than plain removal; docs/ne
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from blockfold.estimate.hadamard import hadamard
@@ -25,6 +27,9 @@ from blockfold.settings import LinearPatch
 from blockfold.stats import SpanStatistics
 from blockfold.stats.magnitude import BoundaryEquations, StreamMagnitude
 from blockfold.surgery import remove_blocks, replace_sublayers
+
+if TYPE_CHECKING:
+    from blockfold.plan import MethodPlan, PlanContext
 
 
 def hadamard_patch(before: torch.Tensor, after: torch.Tensor) -> tuple[torch.Tensor, dict]:
@@ -72,7 +77,7 @@ def compress_linear_patch(job: Job) -> dict:
     }
 
 
-def plan_linear_patch(context) -> "MethodPlan":
+def plan_linear_patch(context: PlanContext) -> MethodPlan:
     """LinearPatch's plan for ``--dry-run``: span distances, then the chosen span's boundary sums."""
     from blockfold.plan import MethodPlan
 

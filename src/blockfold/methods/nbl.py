@@ -9,12 +9,17 @@ next choice sees the already-linearized model (the NBL paper's greedy ablation):
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from blockfold.estimate import fit_lmmse
 from blockfold.methods.base import Job
 from blockfold.models.handle import ModelHandle
 from blockfold.select import LINEARITY_CRITERIA, lowest_scoring, score_layers
 from blockfold.stats import LinearStatistics, SublayerLinearity
 from blockfold.surgery import linearized_entries, replace_sublayers
+
+if TYPE_CHECKING:
+    from blockfold.plan import MethodPlan, PlanContext
 
 
 def measure_layers(job: Job, target: str, criterion: str) -> tuple[dict[str, dict[int, float]], dict[int, LinearStatistics]]:
@@ -153,7 +158,7 @@ __all__ = ["all_scores", "compress_drop_attention", "compress_nbl", "compress_nb
            "drop_attention", "linearize", "measure_layers", "statistics_of"]
 
 
-def plan_linearity(context) -> "MethodPlan":
+def plan_linearity(context: PlanContext) -> MethodPlan:
     """NBL's, NBL-block's and DROP-attention's plan for ``--dry-run``: the linearity moments of every
     layer (scored and fitted in groups where they exceed the memory budget), once or per greedy round."""
     import math

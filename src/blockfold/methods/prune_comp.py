@@ -16,6 +16,7 @@ form would rescale. Nothing is added: the output is a standard checkpoint with f
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -26,6 +27,9 @@ from blockfold.settings import PruneComp
 from blockfold.stats import SpanStatistics
 from blockfold.stats.magnitude import StreamMagnitude
 from blockfold.surgery import remove_blocks, scale_block_output
+
+if TYPE_CHECKING:
+    from blockfold.plan import MethodPlan, PlanContext
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +86,7 @@ def compress_prune_comp(job: Job) -> dict:
     }
 
 
-def plan_prune_comp(context) -> "MethodPlan":
+def plan_prune_comp(context: PlanContext) -> MethodPlan:
     """Prune&Comp's plan for ``--dry-run``: one importance pass per removed block (two with perplexity)."""
     from blockfold.plan import MethodPlan, gib
 

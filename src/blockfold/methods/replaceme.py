@@ -28,6 +28,7 @@ import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -41,6 +42,9 @@ from blockfold.settings import ReplaceMe
 from blockfold.stats import NormalEquations, SpanRows, SpanSample, SpanStatistics, SpanTable
 from blockfold.stats.similarity import StreamMoments, StreamSimilarity
 from blockfold.surgery import fold_into_mlp_output, fold_through_linearized_norm, remove_blocks
+
+if TYPE_CHECKING:
+    from blockfold.plan import MethodPlan, PlanContext
 
 logger = logging.getLogger(__name__)
 
@@ -563,7 +567,7 @@ def _table(values) -> dict[str, dict[str, float]]:
 __all__ = ["SpanMeasurement", "closed_form_map", "compress_replaceme", "measure_spans", "refit_equations"]
 
 
-def plan_span_removal(context) -> "MethodPlan":
+def plan_span_removal(context: PlanContext) -> MethodPlan:
     """ReplaceMe's (and UIDL's) plan for ``--dry-run``: the span statistics its criterion needs (screened
     in two passes where they exceed the memory budget), the fits, the models it builds and its refit."""
     from blockfold.plan import MethodPlan, gib

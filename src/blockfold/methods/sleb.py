@@ -11,6 +11,7 @@ small calibration set: the streams of all candidates are kept at once.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,6 +23,9 @@ from blockfold.pipelines import LayerProgram
 from blockfold.pipelines.buffers import ActivationStore
 from blockfold.progress import bar
 from blockfold.surgery import remove_blocks
+
+if TYPE_CHECKING:
+    from blockfold.plan import MethodPlan, PlanContext
 
 @torch.no_grad()
 def candidate_losses(handle: ModelHandle, batches: list[Batch], candidates: list[int],
@@ -73,7 +77,7 @@ def compress_sleb(job: Job) -> dict:
     }
 
 
-def plan_sleb(context) -> "MethodPlan":
+def plan_sleb(context: PlanContext) -> MethodPlan:
     """SLEB's plan for ``--dry-run``: one step per removed block, each keeping a stream per candidate."""
     from blockfold.plan import MethodPlan, gib
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,6 +29,9 @@ from blockfold.select import best_span, by_start, span_criteria
 from blockfold.settings import Streamline
 from blockfold.stats import SpanStatistics
 from blockfold.surgery import remove_blocks
+
+if TYPE_CHECKING:
+    from blockfold.plan import MethodPlan, PlanContext
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +101,7 @@ def _train_in_place(job: Job, start: int, end: int, settings: Streamline) -> lis
     return losses
 
 
-def plan_streamline(context) -> "MethodPlan":
+def plan_streamline(context: PlanContext) -> MethodPlan:
     """LLM-Streamline's plan for ``--dry-run``: span distances, then the streams around the chosen span
     (kept for the training, which reads them back)."""
     from blockfold.plan import MethodPlan, gib
