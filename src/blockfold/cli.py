@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import logging
 import os
 import shutil
@@ -465,7 +466,7 @@ def _recipe_from_args(args):
     for key, value in calibration_set.items():
         _put(calibration, key, value)
     heal = data.get("heal")
-    heal = _deep_copy(heal) if isinstance(heal, dict) else None
+    heal = copy.deepcopy(heal) if isinstance(heal, dict) else None
     given_heal = {"mode": getattr(args, "heal", None), "steps": getattr(args, "heal_steps", None)}
     if any(value is not None for value in given_heal.values()) or heal_set:
         heal = heal or {}
@@ -477,9 +478,6 @@ def _recipe_from_args(args):
                          "method": method, "settings": settings, "calibration": calibration,
                          **({"heal": heal} if heal is not None else {})}, origin=origin)
 
-
-def _deep_copy(value: dict) -> dict:
-    return {key: _deep_copy(inner) if isinstance(inner, dict) else inner for key, inner in value.items()}
 
 
 def _print_table(rows: list[tuple[str, str]], title: str) -> None:
@@ -1005,8 +1003,27 @@ def main(argv: list[str] | None = None) -> int:
     # a terminated run unwinds like an interrupted one, so its staging folder is removed
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    try:
+        return _run_command(args)
+    except BrokenPipeError:  # a reader that stops early (`| head`) ends the command quietly, as for any Unix tool
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
+        return 0
+
+
+def _error(message) -> int:
+    """One line on stderr naming the problem (and the rank that had it); the exit code of a refusal."""
+    print(f"blockfold: error{_rank_label()}: {message}", file=sys.stderr)
+    return 2
+
+
+def _run_command(args) -> int:
     if args.command == "methods":  # reads the registry only: no torch, no processes to join
-        return _stdout_may_close(lambda: cmd_methods(args))
+        try:
+            code = cmd_methods(args)
+            sys.stdout.flush()  # a closed pipe shows here, inside main's handling
+            return code
+        except BlockfoldError as err:
+            return _error(err)
     from blockfold import distributed
     from blockfold.errors import out_of_memory
 
@@ -1020,33 +1037,17 @@ def main(argv: list[str] | None = None) -> int:
                     "analyze": cmd_analyze, "sweep": cmd_sweep, "report": cmd_report,
                     "export": cmd_export, "methods": cmd_methods}[args.command](args)
         except BlockfoldError as err:
-            print(f"blockfold: error{_rank_label()}: {err}", file=sys.stderr)
-            return 2
+            return _error(err)
         except (RuntimeError, MemoryError) as err:
             memory = out_of_memory(err)
             if memory is not None:
-                print(f"blockfold: error{_rank_label()}: {memory}", file=sys.stderr)
-                return 2
+                return _error(memory)
             if distributed.current().several:  # this rank's own failure: named, so the others' reports point here
                 print(f"blockfold: error{_rank_label()}: {type(err).__name__}: "
                       f"{str(err).splitlines()[0] if str(err) else ''}", file=sys.stderr)
             raise
         finally:
             distributed.finish()
-
-
-def _stdout_may_close(command) -> int:
-    """Run ``command``; a reader that stops early (``| head``) ends it quietly, as for any Unix tool."""
-    try:
-        code = command()
-        sys.stdout.flush()
-        return code
-    except BlockfoldError as err:
-        print(f"blockfold: error: {err}", file=sys.stderr)
-        return 2
-    except BrokenPipeError:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
-        return 0
 
 
 #: commands that share their calibration passes among torchrun's processes
@@ -1064,8 +1065,9 @@ def _join_processes(args) -> None:
 
 
 def _rank_label() -> str:
-    from blockfold import distributed
-
+    distributed = sys.modules.get("blockfold.distributed")  # not imported: one process (and no torch to load)
+    if distributed is None:
+        return ""
     ranks = distributed.current()
     return f" (rank {ranks.rank})" if ranks.several else ""
 

@@ -76,10 +76,9 @@ def planner_of(settings_class: type[MethodSettings]):
     """The method's planner: ``settings_class.planner`` (``module:function``), or none."""
     if settings_class.planner is None:
         return plan_no_pass
-    import importlib
+    from blockfold.methods import function_at
 
-    module, function = settings_class.planner.split(":")
-    return getattr(importlib.import_module(module), function)
+    return function_at(settings_class.planner)
 
 
 @dataclass

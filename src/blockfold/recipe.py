@@ -139,7 +139,7 @@ class Recipe(Strict):
         return data
 
     @model_validator(mode="after")
-    def _heal_on_the_calibration_source(self):
+    def _consistent_heal(self):
         if self.heal is None:
             return self
         if self.heal.mode == "lt" and not self.settings.folds_maps():

@@ -17,7 +17,8 @@ from blockfold.methods.base import Job, PassCache
 from blockfold.settings import SETTINGS, RefitStage
 
 
-def _runner(path: str) -> Callable[[Job], dict]:
+def function_at(path: str) -> Callable:
+    """The function ``module:function`` names (a method's runner, its planner), its module imported now."""
     module, function = path.split(":")
     return getattr(importlib.import_module(module), function)
 
@@ -27,11 +28,11 @@ class _Functions(dict):
     looked up in the registry when first asked for."""
 
     def __missing__(self, name: str) -> Callable[[Job], dict]:
-        function = self[name] = _runner(SETTINGS[name].runner)
+        function = self[name] = function_at(SETTINGS[name].runner)
         return function
 
 
-METHODS: dict[str, Callable[[Job], dict]] = _Functions({name: _runner(cls.runner) for name, cls in SETTINGS.items()})
+METHODS: dict[str, Callable[[Job], dict]] = _Functions({name: function_at(cls.runner) for name, cls in SETTINGS.items()})
 
 
 
@@ -46,4 +47,4 @@ def run_stages(job: Job) -> dict:
     return method(job)
 
 
-__all__ = ["METHODS", "Job", "PassCache", "run_stages"]
+__all__ = ["METHODS", "Job", "PassCache", "function_at", "run_stages"]

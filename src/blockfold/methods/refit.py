@@ -118,6 +118,14 @@ class DownstreamRefit:
         #: why no block of this model can be refitted (then no pass is spent on the streams), else None
         self.inapplicable = None if None in reasons or inputs_anywhere else ", ".join(sorted(reasons))
 
+    @classmethod
+    def of(cls, job: Job, spans: list[RemovedSpan], **extra) -> "DownstreamRefit":
+        """The refit ``job.settings`` (a ``settings.RefitStage``) asks for, around ``spans``."""
+        settings = job.settings
+        return cls(job, spans, settings.refit_blocks, settings.refit_ridge, settings.refit_weighting,
+                   projections=settings.refit, stream_scale=settings.refit_scale,
+                   sandwich_inputs=settings.refit_sandwich, **extra)
+
     def __enter__(self) -> "DownstreamRefit":
         handle = self.job.handle
         if self.inapplicable is not None:
@@ -375,7 +383,6 @@ def refit_after(job: Job, method) -> dict:
     twin of the model taken before the method runs, so the method needs to know nothing of the refit: a
     streamed model's twin reads the same checkpoint, a resident model's is a copy (memory for a second
     model, released once the streams are recorded)."""
-    settings = job.settings
     twin = job.handle.fresh_copy()
     if not twin.resident:  # a new skeleton: the adapter's rewrite applies to it too
         twin.adapter.prepare(twin)
@@ -386,9 +393,7 @@ def refit_after(job: Job, method) -> dict:
     scales = (details.get("compensation") or {}).get("by_block", {})
     compensation = [math.prod(factor for block, factor in scales.items() if block < span.start + span.length)
                     for span in spans]
-    with DownstreamRefit(job, spans, settings.refit_blocks, settings.refit_ridge, settings.refit_weighting,
-                         projections=settings.refit, stream_scale=settings.refit_scale,
-                         sandwich_inputs=settings.refit_sandwich, original=twin, compensation=compensation) as refit:
+    with DownstreamRefit.of(job, spans, original=twin, compensation=compensation) as refit:
         del twin
         details["refit"] = refit.apply()
     return details

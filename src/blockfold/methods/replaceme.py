@@ -424,11 +424,7 @@ def _replace_spans(job: Job, choices: list[SpanChoice], first_pass: dict) -> tup
     replaced, removed_so_far, refit = [], 0, None
     with contextlib.ExitStack() as stack:
         if settings.refit != "none":  # records the original streams before the surgery
-            refit = stack.enter_context(DownstreamRefit(job, [RemovedSpan(c.start, c.length) for c in choices],
-                                                        settings.refit_blocks, settings.refit_ridge,
-                                                        settings.refit_weighting, projections=settings.refit,
-                                                        stream_scale=settings.refit_scale,
-                                                        sandwich_inputs=settings.refit_sandwich))
+            refit = stack.enter_context(DownstreamRefit.of(job, [RemovedSpan(c.start, c.length) for c in choices]))
         for choice in choices:
             start = choice.start - removed_so_far
             equations = first_pass.get(choice.length, {}).get(choice.start) if removed_so_far == 0 else None
