@@ -77,6 +77,12 @@ def test_dry_run_plans_from_config_json_alone(capsys, tmp_path):
     for needle in ("weights", "pipeline", "statistics", "passes", "peak memory", "time on H100"):
         assert needle in printed
     assert not (tmp_path / "o").exists()
+    # a plan needs no output folder; a run does, and says so in one line
+    assert main(["compress", "--model", str(config), "--blocks", "2", "--dry-run", "1GiB"]) == 0
+    assert "passes" in capsys.readouterr().out
+    assert main(["compress", "--model", str(config), "--blocks", "2"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert "--out DIR" in error and len(error.splitlines()) == 1
 
 
 def test_dry_run_numbers_for_the_big_configs():

@@ -58,6 +58,102 @@ def test_a_span_that_does_nothing_leaves_every_weight_as_it_was(arch, refit):
         assert (model(ids).logits - expected).abs().max() < 1e-4
 
 
+def _block_outputs(model, calibration, part: str | None = None) -> dict[int, torch.Tensor]:
+    """Each decoder block's output over the calibration tokens (with ``part`` "down": its down-projection's
+    output instead), from a plain forward pass."""
+    adapter, outputs = get_adapter(model), {}
+    modules = {index: adapter.down_proj(layer) if part == "down" else layer for index, layer in enumerate(adapter.layers(model))}
+    hooks = [module.register_forward_hook(lambda m, a, out, index=index: outputs.setdefault(index, []).append(
+        (out[0] if isinstance(out, tuple) else out).reshape(-1, (out[0] if isinstance(out, tuple) else out).shape[-1])))
+             for index, module in modules.items()]
+    with torch.no_grad():
+        for batch in calibration:
+            model(batch.input_ids)
+    for hook in hooks:
+        hook.remove()
+    return {index: torch.cat(values).double() for index, values in outputs.items()}
+
+
+@pytest.mark.parametrize("refit", ["down", "all"])
+def test_each_reported_fit_error_is_what_the_saved_model_computes(refit):
+    """The refit runs a block only as far as each fit needs and takes the block's output with its new
+    down-projection from what it has already computed: the error it reports for every refitted block
+    must be the one a fresh forward pass of the compressed model makes against the original's stream
+    (a stream advanced with a stale weight, or a fit stopped too early, would report another)."""
+    calibration, original = random_calibration(), tiny_model("llama")
+    model = copy.deepcopy(original)
+    result = blockfold.compress(model, tiny_tokenizer(), blockfold.ReplaceMe(blocks=2, span_start=2, refit=refit,
+                                                                             refit_blocks=3, refit_scale=False),
+                                calibration=calibration)
+    wanted_from = {1: 3, 2: 4, 3: 5}  # compressed block -> the original block whose output it is fitted to
+    streams, outputs, down = (_block_outputs(original, calibration), _block_outputs(model, calibration),
+                              _block_outputs(model, calibration, "down"))
+    entries = result.manifest["refit"]["blocks"]
+    assert [entry["block"] for entry in entries] == [1, 2, 3]
+    for entry in entries:
+        block = entry["block"]
+        wanted = streams[wanted_from[block]] - (outputs[block] - down[block])
+        error = float((wanted - down[block]).pow(2).sum() / wanted.pow(2).sum())
+        assert error == pytest.approx(entry["relative_error_after"], rel=1e-3, abs=1e-7), block
+
+
+def test_the_refit_reads_the_first_pass_recording_and_builds_what_its_own_pass_builds(monkeypatch, tmp_path):
+    """The default refit reads the original streams the selection pass recorded (one pass fewer) and builds
+    the same weights as with a pass of its own to record them, padded sequences included; the recording,
+    spilled to disk here, leaves nothing behind."""
+    from blockfold.data import Batch, CalibrationSet
+    from blockfold.pipelines import StreamRecorder
+    from blockfold.runtime import Execution
+
+    batches = []
+    for batch in random_calibration():
+        mask = torch.ones_like(batch.attention_mask)
+        mask[1, 17:], mask[2, 20:] = 0, 0  # right padding
+        batches.append(Batch(batch.input_ids, mask))
+    calibration = CalibrationSet(batches, {"source": "random, padded"})
+    spill = tmp_path / "spill"
+    spill.mkdir()
+    recorded = tiny_model("llama")
+    first = blockfold.compress(recorded, tiny_tokenizer(), blockfold.ReplaceMe(blocks=2), calibration=calibration,
+                               execution=Execution(offload="disk", offload_dir=str(spill)))
+    assert first.manifest["refit"]["original_streams"] == "recorded in the first pass"
+    assert list(spill.iterdir()) == []
+    monkeypatch.setattr(StreamRecorder, "covers", lambda *args: False)
+    own = tiny_model("llama")
+    second = blockfold.compress(own, tiny_tokenizer(), blockfold.ReplaceMe(blocks=2), calibration=calibration)
+    assert second.manifest["refit"]["original_streams"] == "a pass of their own"
+    assert second.manifest["execution"]["passes"] == first.manifest["execution"]["passes"] + 1
+    assert second.manifest["removed_blocks"] == first.manifest["removed_blocks"]
+    for (name, got), wanted in zip(recorded.state_dict().items(), own.state_dict().values()):
+        assert (got - wanted).abs().max() <= 1e-5 * wanted.abs().max(), name
+
+
+def test_a_recording_the_statistics_budget_cannot_hold_is_not_made_and_the_plan_says_so(tmp_path):
+    """The recording shares the statistics budget: one byte short of it, the refit runs its own pass,
+    with the same weights, and ``--dry-run`` counts that pass too."""
+    from blockfold.plan import plan_for
+    from blockfold.runtime import Execution
+
+    folder, _ = tiny_folder_and_corpus(tmp_path)
+    calibration = random_calibration()
+    roomy = blockfold.compress(str(folder), recipe=blockfold.ReplaceMe(blocks=2), calibration=calibration)
+    statistics = roomy.manifest["selection"]["statistics"]
+    assert roomy.manifest["refit"]["original_streams"] == "recorded in the first pass"
+    short = Execution(stats_memory=statistics["full_sums_bytes"] + statistics["original_streams"]["bytes"] - 1)
+    tight = blockfold.compress(str(folder), recipe=blockfold.ReplaceMe(blocks=2), calibration=calibration,
+                               execution=short)
+    assert tight.manifest["refit"]["original_streams"] == "a pass of their own"
+    assert "statistics budget" in tight.manifest["selection"]["statistics"]["original_streams"]["not_recorded"]
+    assert tight.manifest["execution"]["passes"] == roomy.manifest["execution"]["passes"] + 1
+    for recipe, execution, result in ((blockfold.ReplaceMe(blocks=2), Execution(), roomy),
+                                      (blockfold.ReplaceMe(blocks=2), short, tight)):
+        plan = plan_for(str(folder), Recipe.of(recipe).model_copy(update={"calibration": CalibrationConfig(
+            num_sequences=8, sequence_length=24)}), execution)
+        assert plan.numbers["passes"] == result.manifest["execution"]["passes"], plan.render()
+    for name, value in roomy.model.state_dict().items():
+        assert torch.allclose(tight.model.state_dict()[name], value, atol=1e-6), name
+
+
 def _output_error(model, original, calibration) -> float:
     with torch.no_grad():
         errors = [(model(batch.input_ids).logits - original(batch.input_ids).logits).pow(2).mean() for batch in calibration]

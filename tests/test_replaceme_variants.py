@@ -310,7 +310,7 @@ def test_a_shared_first_pass_gives_the_same_compressions(tokenizer):
     other = tiny_model("llama", seed=3)
     expected = blockfold.compress(copy.deepcopy(other), tokenizer, {"blocks": 2}, calibration=calibration).manifest
     got = blockfold.compress(copy.deepcopy(other), tokenizer, {"blocks": 2}, calibration=calibration, cache=cache).manifest
-    assert got["execution"]["passes"] == 1 + 2
+    assert got["execution"]["passes"] == 1 + 1  # its own first pass, which records what the refit reads; the refit
     assert got["selection"]["candidates"] == expected["selection"]["candidates"]
 
 

@@ -111,7 +111,7 @@ def _add_compress(sub) -> None:
                                    "flags of its group, or --set KEY=VALUE (blockfold methods; docs/cli.md).",
                        formatter_class=_CompactHelp)
     p.add_argument("--model", required=True, help="built-in name (smollm2-135m, ...), HF folder, .gguf or hub id")
-    p.add_argument("--out", required=True, metavar="DIR", help="output folder (refused if it exists)")
+    p.add_argument("--out", metavar="DIR", help="output folder (refused if it exists; not needed with --dry-run)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     p.add_argument("--recipe", metavar="YAML", help="recipe file; flags given here override it")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", dest="set_values",
@@ -521,6 +521,9 @@ def cmd_compress(args) -> int:
             raise BlockfoldError(f"--dry-run {err}") from None
         print(plan_for(args.model, recipe, execution, memory).render())
         return 0
+    if args.out is None:
+        raise BlockfoldError("compress needs --out DIR, the folder to save the compressed model in (or --dry-run for "
+                             "its plan alone)")
     check_output_folder(args.out, args.overwrite)
     _check_calibration_source(recipe.calibration.source)
     _check_offload(execution)

@@ -61,6 +61,8 @@ class MethodPlan:
     #: forward work beyond one run of every block per pass (a stream per candidate, fewer sequences),
     #: in passes of the calibration set through every block
     extra_forward: float = 0.0
+    #: bytes of activations kept from one pass for a later stage (the stream the refit reads)
+    recorded: int = 0
 
     @property
     def forward_passes(self) -> float:
@@ -197,6 +199,8 @@ def plan_for(spec: str, recipe: Recipe, execution: Execution, accelerator_memory
     observers, stats_flops_per_token = method_plan.observers, method_plan.stats_flops_per_token
     plan.add("statistics", f"{gib(sums)} of float64 sums (budget {gib(budget)}): " + "; ".join(notes))
 
+    on_device = method_plan.recorded if execution.offload in ("auto", "none") else 0  # kept beside the sums
+
     # -- chunks of the sequential pipeline ------------------------------------------------
     window = sum(obs.window_bytes_per_token(d, element) for obs in observers)
     per_token = d * element * (1 + 2 * 3) + window
@@ -208,12 +212,12 @@ def plan_for(spec: str, recipe: Recipe, execution: Execution, accelerator_memory
         chunks = math.ceil(calibration.num_sequences / chunk)
         plan.add("chunks", f"{chunk} sequences per chunk ({gib(chunk * per_sequence)} of activations and windows): "
                            f"{chunks} chunk(s), each block read {chunks} time(s) per pass")
-        peak = per_layer_params * element + max(outside, chunk * per_sequence) + sums
+        peak = per_layer_params * element + max(outside, chunk * per_sequence) + sums + on_device
     else:
         chunks = 1
         per_batch = per_token * calibration.batch_size * calibration.sequence_length
         plan.add("batches", f"{calibration.batch_size} sequences per batch ({gib(per_batch)} of activations and windows)")
-        peak = method_plan.weight_copies * weights + per_batch + sums
+        peak = method_plan.weight_copies * weights + per_batch + sums + on_device
     plan.add("passes", f"{passes} over the calibration set")
     if recipe.heal is not None:
         heal = recipe.heal

@@ -40,11 +40,16 @@ def run_stages(job: Job) -> dict:
     """The job's method and the stages after it; returns the manifest entries."""
     method = METHODS[job.settings.method]
     settings = job.settings
-    if isinstance(settings, RefitStage) and settings.refit != "none" and not settings.refits_within:
-        from blockfold.methods.refit import refit_after
+    try:
+        if isinstance(settings, RefitStage) and settings.refit != "none" and not settings.refits_within:
+            from blockfold.methods.refit import refit_after
 
-        return refit_after(job, method)
-    return method(job)
+            return refit_after(job, method)
+        return method(job)
+    finally:
+        if job.streams is not None:  # a recorded stream no stage read (its folder, if on disk, goes too)
+            job.streams.close()
+            job.streams = None
 
 
 __all__ = ["METHODS", "Job", "PassCache", "function_at", "run_stages"]

@@ -11,7 +11,7 @@ from torch import nn
 from blockfold.adapters import DecoderAdapter
 from blockfold.data import CalibrationSet
 from blockfold.models.handle import ModelHandle
-from blockfold.pipelines import Runner
+from blockfold.pipelines import Runner, StreamRecorder
 from blockfold.settings import MethodSettings
 from blockfold.stats.activations import Observer
 
@@ -45,6 +45,9 @@ class Job:
     seed: int = 0  # for token subsamples (the calibration config's seed)
     #: what the method decided about memory (screening, budgets), for the manifest
     notes: dict = field(default_factory=dict)
+    #: the unedited model's stream from the method's first pass, for the downstream refit (which then
+    #: needs no pass of its own to read it); closed by whoever reads it, or when the job ends
+    streams: StreamRecorder | None = None
 
     @property
     def adapter(self) -> DecoderAdapter:
@@ -62,5 +65,6 @@ class Job:
     def hidden_size(self) -> int:
         return self.adapter.hidden_size(self.model)
 
-    def run(self, observers: list[Observer], description: str = "calibration pass") -> None:
-        self.runner.run(self.calibration, observers, description)
+    def run(self, observers: list[Observer], description: str = "calibration pass",
+            recorders: list[StreamRecorder] = ()) -> None:
+        self.runner.run(self.calibration, observers, description, recorders)

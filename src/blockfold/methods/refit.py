@@ -22,10 +22,14 @@ LaCo) through ``refit_after``, which takes an unedited twin of the model before 
 records the original streams on it. Where the method compensated the removal (Prune&Comp divides every
 later block's writes by its scale), the targets after each span are divided by the same factors.
 
-The original streams are recorded before the surgery (one pass to the end of the deepest span,
-keeping the input of the first refitted block and the stream after each span); after it, one
+The original streams the refit starts from (the input of the first refitted block and the stream
+after each span) come from the method's first pass where it recorded them (ReplaceMe and UIDL record
+every depth a span they may choose needs, ``pipelines.recording``), else from a pass of their own to
+the end of the deepest span, before the surgery; after it, one
 layer-by-layer pass runs the original stream and the compressed one side by side through the kept
-blocks, refitting as it goes. Every process runs its share of the calibration sequences, and the
+blocks, refitting as it goes. Each fit runs a block only as far as it reads (a norm's output, the
+attention half), and a refitted block's output is its output less the old down-projection's plus the
+new one's on the inputs already captured (it is linear in that weight), so the block is not run again. Every process runs its share of the calibration sequences, and the
 sums of each layer are reduced across processes before it is solved, so all end with the same weights.
 
 With ``refit="attn+down"`` each refitted block's attention output projection is refitted first, by
@@ -113,6 +117,7 @@ class DownstreamRefit:
         self.from_start = self.spans[0].start == 0
         self.batches, _ = distributed.shard(list(job.calibration), distributed.current())
         self.store: ActivationStore | None = None
+        self.recorded = False  # the original streams came from the first pass (no pass of the refit's own)
         reasons = {self._not_refittable(layer) for layer in job.handle.layers()}
         inputs_anywhere = any(self._inputs_only(layer) for layer in job.handle.layers())
         #: why no block of this model can be refitted (then no pass is spent on the streams), else None
@@ -131,11 +136,15 @@ class DownstreamRefit:
         if self.inapplicable is not None:
             logger.warning("no down-projection of this model can be refitted (%s): the refit is skipped", self.inapplicable)
             return self
-        kept = 4 + len(self.spans)  # per batch: the input, each span's end, the original stream, two sublayer inputs
+        # per batch: the input, each span's end, the original stream, two sublayer inputs, and the refitted
+        # block's output less its down-projection's with that projection's inputs (intermediate-sized)
+        d = handle.adapter.hidden_size(handle.model)
+        kept = 5 + len(self.spans) + math.ceil(_intermediate_size(handle.model.config, d) / d)
         self.store = ActivationStore(self.job.runner.store_kind(self.batches, kept), handle.device,
                                      self.job.runner.execution.offload_dir)
         try:
-            self._record_original()
+            if not self._read_recorded():
+                self._record_original()
         except BaseException:
             self.store.close()
             raise
@@ -146,6 +155,26 @@ class DownstreamRefit:
     def __exit__(self, *exc) -> None:
         if self.store is not None:
             self.store.close()
+
+    def _read_recorded(self) -> bool:
+        """The original streams from the job's first pass, where it recorded them for these batches (then
+        no pass is run for them); the recording is released either way once a refit has looked at it."""
+        recorded = self.job.streams
+        if recorded is None or self.original is not self.job.handle:
+            return False
+        first = max(self.spans[0].start - 1, 0)
+        ends = {span.start + span.length: number for number, span in enumerate(self.spans)}
+        if not recorded.covers(self.batches, {first, *ends}):
+            return False
+        for number, hidden in enumerate(recorded.stream(first, self.batches)):
+            self.store.put(f"input:{number}", hidden)
+        for depth, span in ends.items():
+            for number, hidden in enumerate(recorded.stream(depth, self.batches)):
+                self.store.put(f"after{span}:{number}", hidden)
+        recorded.close()
+        self.job.streams = None
+        self.recorded = True
+        return True
 
     def _record_original(self) -> None:
         """The original model up to the deepest span's end: the input of the block before the first
@@ -195,6 +224,7 @@ class DownstreamRefit:
         for index in bar(range(first, last + 1), desc="refit: output projections", unit="layer", show=show):
             with program.layer(index) as (block, run):
                 reason = self._not_refittable(block) if index in refitted_layers else None
+                advanced = False
                 # the block before the first span reads the original stream: its attention has nothing to correct
                 reads_original = index == first and not self.from_start
                 inputs_only = reason is not None and self._inputs_only(block) and not reads_original
@@ -234,12 +264,14 @@ class DownstreamRefit:
                         scaled = self.stream_scale and index in gap_blocks
                         entry |= self._refit_projection(program, job.adapter.down_proj(block), run, "original", False,
                                                         scaled)
+                        advanced = True  # the refit left each batch's output with the new weight in the program
                         if scaled:
                             self._fold_stream_scale(index, entry["stream_scale"])
                             scale *= entry["stream_scale"]
                     report.append(entry)
-                for number in range(len(self.batches)):
-                    program.set_hidden(number, run(program.hidden(number), number))
+                if not advanced:
+                    for number in range(len(self.batches)):
+                        program.set_hidden(number, run(program.hidden(number), number))
         job.runner.sweep()
         refitted = [entry for entry in report if "relative_error_before" in entry]
         if refitted:
@@ -247,7 +279,9 @@ class DownstreamRefit:
                         "(mean over blocks)", len(refitted), sum(e["relative_error_before"] for e in refitted) / len(refitted),
                         sum(e["relative_error_after"] for e in refitted) / len(refitted))
         return {"projection": projection, "ridge": self.ridge, "weighting": self.weighting, "blocks": report,
-                "stream_scale": self.stream_scale, "passes": 2,  # the original streams, then the refit
+                "stream_scale": self.stream_scale,
+                "passes": 1 if self.recorded else 2,  # the original streams unless recorded, then the refit
+                "original_streams": "recorded in the first pass" if self.recorded else "a pass of their own",
                 "note": "block indices are the compressed model's"}
 
     def _fold_stream_scale(self, gap: int, factor: float) -> None:
@@ -309,7 +343,7 @@ class DownstreamRefit:
             with contextlib.ExitStack() as hooks:
                 normed = hooks.enter_context(_captured(norm))
                 read = [hooks.enter_context(_captured(linear)) for linear in linears] if number == 0 else []
-                run(program.hidden(number), number)
+                _run_until(run, program.hidden(number), number, [norm, *(linears if number == 0 else [])])
             elsewhere |= any(not torch.equal(captured["inputs"], normed["output"]) for captured in read)
             equations.add(normed["output"][mask], self.store.get(f"{name}-input:{number}")[mask])
         distributed.reduce_observers([equations], distributed.current())  # every process, before any returns
@@ -337,8 +371,11 @@ class DownstreamRefit:
         for number, mask in enumerate(program.masks):
             hidden = program.hidden(number)
             with _captured(linear) as captured:
-                output = run(hidden, number)
+                output = _run_until(run, hidden, number, [linear]) if middle else run(hidden, number)
             reached = hidden + captured["output"] if middle else output
+            if not middle:  # the block's output less this projection's: with the new weight's, the next input
+                store.put(f"rest:{number}", output - captured["output"])
+                store.put(f"read:{number}", captured["inputs"])
             contribution = captured["output"][mask].double()
             if linear.bias is not None:
                 contribution = contribution - linear.bias.double()
@@ -363,6 +400,9 @@ class DownstreamRefit:
             result["relative_error_after"] = sums.relative_residual(refitted)
         new_weight = refitted.T.to("cpu", job.handle.dtype).contiguous()
         job.handle.transform(linear, "weight", lambda weight: new_weight.to(weight.device, weight.dtype))
+        if not middle:  # the block's output with the new weight, without running it again (it is linear in it)
+            for number in range(len(program.masks)):
+                program.set_hidden(number, store.get(f"rest:{number}") + linear(store.get(f"read:{number}")))
         return result
 
 
@@ -405,11 +445,13 @@ def plan_refit_sums(context, plan) -> None:
     from blockfold.plan import gib
 
     settings, d = context.settings, context.hidden_size
-    intermediate = getattr(context.model.config, "intermediate_size", None) or 4 * d
+    intermediate = _intermediate_size(context.model.config, d)
     # AᵀA and AᵀR; with the stream scale also AᵀH (the rest of the block's output)
     refit_sums = intermediate * (intermediate + (2 if settings.refit_scale else 1) * d) * 8
     plan.sums = max(plan.sums, refit_sums)
-    copies = 5 if settings.refit == "all" else 3  # "all" also keeps the original's two normed inputs
+    # the streams, the block's output less its down-projection's, and that projection's inputs; "all" also
+    # keeps the original's two normed inputs
+    copies = (5 if settings.refit == "all" else 3) + 1 + math.ceil(intermediate / d)
     plan.notes.append(f"refit: {gib(refit_sums)} of sums per down-projection, and the original and compressed "
                       f"streams kept for all calibration tokens ({gib(copies * context.tokens * d * context.element)})")
 
@@ -424,6 +466,38 @@ def plan_refit_after(context, plan) -> None:
         plan.notes.append("refit stage: an unedited copy of the weights until the original streams are recorded")
     else:
         plan.notes.append("refit stage: the original streams recorded from the checkpoint (no copy of the weights)")
+
+
+def _intermediate_size(config, hidden_size: int) -> int:
+    """The width of a down-projection's inputs (a config without one: the usual four times the hidden size)."""
+    return getattr(config, "intermediate_size", None) or 4 * hidden_size
+
+
+class _Enough(Exception):
+    """Raised from a hook once a block has run as far as a fit needs."""
+
+
+def _run_until(run, hidden: torch.Tensor, number: int, modules: list[nn.Module]) -> torch.Tensor | None:
+    """``run(hidden, number)``, stopped as soon as every one of ``modules`` has run (their other hooks,
+    registered earlier, have then fired): a fit that reads a norm's output or the attention half need
+    not pay for the rest of the block. The block's output where it ran to the end, else None."""
+    waiting = set(range(len(modules)))
+
+    def reached(position):
+        def hook(module, args, output):
+            waiting.discard(position)
+            if not waiting:
+                raise _Enough
+        return hook
+
+    hooks = [module.register_forward_hook(reached(position)) for position, module in enumerate(modules)]
+    try:
+        return run(hidden, number)
+    except _Enough:
+        return None
+    finally:
+        for hook in hooks:
+            hook.remove()
 
 
 @contextlib.contextmanager

@@ -32,11 +32,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from blockfold import distributed
 from blockfold.estimate import fit_numerically, fit_span_map, linear_contribution, span_loss
 from blockfold.data import Batch, CalibrationSet
 from blockfold.errors import BlockfoldError
 from blockfold.methods.base import Job
 from blockfold.methods.refit import DownstreamRefit, RemovedSpan, plan_refit_sums
+from blockfold.pipelines import StreamRecorder
+from blockfold.pipelines.buffers import ActivationStore
 from blockfold.select import SpanChoice, best_span, best_spans, by_start, span_criteria, span_label, split_budget
 from blockfold.settings import ReplaceMe
 from blockfold.stats import NormalEquations, SpanRows, SpanSample, SpanStatistics, SpanTable
@@ -108,11 +111,13 @@ def _own_map_name(settings: ReplaceMe) -> str:
 
 # -- the first pass ---------------------------------------------------------------------------
 def measure_spans(job: Job, lengths: list[int], max_length: int, criterion: str,
-                  all_criteria: bool = False) -> SpanMeasurement:
+                  all_criteria: bool = False, record: bool = False) -> SpanMeasurement:
     """The first pass for spans of ``lengths`` (or what a cached pass already measured).
 
     ``all_criteria`` accumulates what every criterion needs (the sweep's shared pass, the placement
     study); otherwise only what ``criterion`` and the estimator need, within the statistics budget.
+    ``record``: a pass run here also records, in ``job.streams``, the original stream the downstream
+    refit of the job's settings will read.
     """
     lengths = sorted(set(lengths), reverse=True)
     moments = all_criteria or criterion in _MOMENT_CRITERIA
@@ -126,7 +131,7 @@ def measure_spans(job: Job, lengths: list[int], max_length: int, criterion: str,
         if cached is not None:
             return SpanMeasurement(cached.distances, [t for t in cached.tables if t.fit_length in lengths],
                                    cached.moments, lengths, cached.max_length, cached.equations, cached.screening)
-    measured = _measure(job, lengths, max_length, moments, need_all, weighted, _screened_by(criterion))
+    measured = _measure(job, lengths, max_length, moments, need_all, weighted, _screened_by(criterion), record)
     if job.cache is not None:
         job.cache.add("spans", fingerprint, job.calibration, {"lengths": lengths, "max_length": max_length,
                                                               "moments": moments, "equations": measured.equations,
@@ -142,7 +147,7 @@ def _screened_by(criterion: str) -> str:
 
 
 def _measure(job: Job, lengths: list[int], max_length: int, moments: bool, need_all: bool, weighted: bool,
-             screen_by: str) -> SpanMeasurement:
+             screen_by: str, record: bool = False) -> SpanMeasurement:
     num_layers, d = job.num_layers, job.hidden_size
     estimator = getattr(job.settings, "estimator", "identity")
     starts = {length: len(range(1, num_layers - length + 1)) for length in lengths}
@@ -157,17 +162,67 @@ def _measure(job: Job, lengths: list[int], max_length: int, moments: bool, need_
     else:
         mode = "screened" if need_all else "none"  # without a fit criterion the chosen span is refitted alone
     first_mode = {"full": "full", "none": "none", "screened": "diagonal"}[mode]
+    if record:  # in what the statistics budget leaves beside the sums (screening fills it by design)
+        job.streams = _stream_recorder(job, lengths, budget - {"full": full_bytes, "none": 0, "screened": budget}[mode])
     fits = [SpanStatistics(num_layers, max_length=max_length if i == 0 else 0, fit_length=length,
                            equations=first_mode, stream_weighted=weighted)
             for i, length in enumerate(lengths)]
     observers = [*fits, *([StreamSimilarity(num_layers, lengths)] if moments else [])]
-    job.run(observers, description="calibration pass" if mode != "screened" else "screening pass")
+    job.run(observers, description="calibration pass" if mode != "screened" else "screening pass",
+            recorders=[job.streams] if job.streams is not None else [])
     tables = [f.finalize() for f in fits]
     measured = SpanMeasurement(tables[0], tables, observers[-1].finalize() if moments else None, lengths,
                                max_length, mode)
     if mode == "screened":
         _screen(job, measured, budget, screen_by, weighted)
     return measured
+
+
+def refit_depths(settings: ReplaceMe, num_layers: int, lengths: list[int]) -> set[int]:
+    """The depths of the original stream the downstream refit reads for any span the selection may
+    choose: what the block before it reads, and what the span's last block writes."""
+    depths = set()
+    for length in lengths:
+        starts = [settings.span_start] if settings.span_start is not None else range(1, num_layers - length + 1)
+        depths.update(depth for start in starts for depth in (start - 1, start + length))
+    return depths
+
+
+def _stream_recorder(job: Job, lengths: list[int], room: int) -> StreamRecorder | None:
+    """Where the downstream refit follows, a recorder of the depths it may read, so the first pass serves
+    it too: kept where ``--offload`` says (auto: on the device), made where it takes at most ``room``
+    bytes; None where no refit follows or the recording would not fit (the refit then runs its own pass)."""
+    settings = job.settings
+    if settings.refit == "none":
+        return None
+    depths = refit_depths(settings, job.num_layers, lengths)
+    shard, _ = distributed.shard(list(job.calibration), distributed.current())
+    needed = recording_bytes(len(depths), sum(int(batch.attention_mask.sum()) for batch in shard), job.hidden_size,
+                             job.handle.dtype.itemsize)
+    runner = job.runner
+    where = RECORDING_PLACE[runner.execution.offload]
+    job.notes["original_streams"] = {"depths": len(depths), "bytes": needed, "room": max(room, 0)}
+    # where it cannot be made the refit reads the stream in a pass of its own: the manifest says why
+    if needed > room:
+        job.notes["original_streams"]["not_recorded"] = "more than the statistics budget leaves (--stats-memory)"
+        return None
+    try:
+        store = ActivationStore(where, job.handle.device, runner.execution.offload_dir, needed)
+    except BlockfoldError as error:  # a spill folder without room: the refit's own pass needs none of it
+        job.notes["original_streams"]["not_recorded"] = str(error)
+        return None
+    runner.offloaded.add(where)
+    job.notes["original_streams"]["kept"] = where
+    return StreamRecorder(depths, store)
+
+
+#: where the first pass keeps the stream the refit reads, by ``--offload`` (auto: beside the sums)
+RECORDING_PLACE = {"auto": "device", "none": "device", "cpu": "cpu", "disk": "disk"}
+
+
+def recording_bytes(depths: int, tokens: int, hidden_size: int, element: int) -> int:
+    """Bytes of the stream at ``depths`` depths for ``tokens`` real tokens."""
+    return depths * tokens * hidden_size * element
 
 
 def _screen(job: Job, measured: SpanMeasurement, budget: int, criterion: str, weighted: bool) -> None:
@@ -361,7 +416,7 @@ def compress_replaceme(job: Job) -> dict:
     criterion = settings.criterion
     counts = settings.span_counts(budget)
     lengths = sorted({length for count in counts for length in split_budget(budget, count)}, reverse=True)
-    measured = measure_spans(job, lengths, budget, criterion)
+    measured = measure_spans(job, lengths, budget, criterion, record=True)
     scores = span_criteria(measured.distances, measured.tables, measured.moments, _scoring_map(settings))
     first_pass = {table.fit_length: table.normal_equations for table in measured.tables}
     shapes = {count: [best_span(scores[criterion], budget, criterion, fixed_start=settings.span_start)] if count == 1
@@ -584,12 +639,14 @@ def plan_span_removal(context: PlanContext) -> MethodPlan:
     full = sum(SpanStatistics.sums_bytes_for(count, d, "full", weighted) for count in starts.values())
     moments = StreamSimilarity.sums_bytes_for(num_layers, len(lengths), d) if criterion in ("cka", "cca") else 0
     plan.observers.append(SpanStatistics(num_layers, n, max(lengths)))
+    screened = False
     if estimator == "identity" and not need_all:
         plan.sums, mode = moments, "no normal equations (plain removal: scalars only)"
     elif full + moments <= budget:
         plan.sums, mode = full + moments, f"full normal equations for all {sum(starts.values())} candidates"
         plan.stats_flops_per_token = sum(starts.values()) * (8 if weighted else 4) * d * d
     elif need_all:
+        screened = True
         per_start = SpanStatistics.sums_bytes_for(1, d, "full", weighted)
         keep = max(1, (budget - moments) // (per_start * len(lengths)))
         plan.sums = keep * per_start * len(lengths) + moments
@@ -605,12 +662,24 @@ def plan_span_removal(context: PlanContext) -> MethodPlan:
     sample = int(isinstance(settings, ReplaceMe) and (settings.estimator == "cosine" or not context.adapter.folds_exactly))
     if getattr(settings, "greedy", False):
         plan.passes = n * (1 + sample)  # per round: the statistics, and the sample
-    # later spans are refitted on the compressed model; a refit records the original streams to the
-    # span's end, then runs both streams through the later blocks, twice
+    # later spans are refitted on the compressed model; a refit reads the original streams (recorded in
+    # the first pass for the model it builds in place; a candidate on a copy records them in a pass of its
+    # own), then runs both streams through the later blocks
     refit = 2 if settings.refit != "none" else 0
     build = {count: count - 1 + refit + (count * sample if not getattr(settings, "greedy", False) else 0)
              for count in counts}
-    plan.passes += build[counts[0]] if len(counts) == 1 else sum(b + 1 for b in build.values()) + max(build.values())
+    recorded = 0
+    if refit and not getattr(settings, "greedy", False):
+        depths = refit_depths(settings, num_layers, lengths)
+        needed = recording_bytes(len(depths), context.tokens, d, context.element)
+        room = context.budget - (context.budget if screened else plan.sums)  # screening fills the budget
+        recorded = int(needed <= room)
+        plan.recorded = needed if recorded else 0
+        plan.notes.append(f"refit: the original stream at {len(depths)} depths ({gib(needed)}) "
+                          + ("recorded in the first pass, so the refit runs no pass of its own to read it" if recorded
+                             else f"exceeds the {gib(max(room, 0))} the budget leaves: the refit reads it in a pass of its own"))
+    plan.passes += (build[counts[0]] if len(counts) == 1 else sum(b + 1 for b in build.values()) + max(build.values())) \
+        - recorded
     if refit:
         plan_refit_sums(context, plan)
     if len(counts) > 1:

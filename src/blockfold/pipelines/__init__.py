@@ -19,6 +19,7 @@ from blockfold import distributed
 from blockfold.data import Batch
 from blockfold.pipelines.capture import split_rows
 from blockfold.pipelines.persist import Checkpoints, StatsCache, calibration_digest, pass_key
+from blockfold.pipelines.recording import StreamRecorder
 from blockfold.models.handle import ModelHandle
 from blockfold.pipelines.sequential import LayerProgram, chunks_of, run_sequential, sequences_for_budget
 from blockfold.pipelines.whole import run_whole
@@ -72,9 +73,11 @@ class Runner:
             return "sequential"
         return "whole"
 
-    def run(self, batches: Iterable[Batch], observers: list[Observer], description: str = "calibration pass") -> None:
+    def run(self, batches: Iterable[Batch], observers: list[Observer], description: str = "calibration pass",
+            recorders: list[StreamRecorder] = ()) -> None:
         """One pass: this process's shard of ``batches`` through the pipeline (from a checkpoint when
-        there is one), then the shards' statistics combined; or the pass loaded from the cache."""
+        there is one), then the shards' statistics combined; or the pass loaded from the cache.
+        ``recorders`` keep this process's stream beside the statistics (a loaded pass leaves them empty)."""
         batches = list(batches)
         self.passes += 1
         started = time.perf_counter()
@@ -88,13 +91,14 @@ class Runner:
             self.cached_passes += 1
             log.info("%s: loaded from the statistics cache %s", description, self.cache.folder)
         else:
-            self._run_shard(batches, observers, description, key)
+            self._run_shard(batches, observers, description, key, list(recorders))
             distributed.reduce_observers(observers, self.ranks)
             if self.cache is not None and self.ranks.is_main:
                 self.cache.save(key, fingerprint, observers, description)
         self.pass_seconds += time.perf_counter() - started
 
-    def _run_shard(self, batches: list[Batch], observers: list[Observer], description: str, key: str | None) -> None:
+    def _run_shard(self, batches: list[Batch], observers: list[Observer], description: str, key: str | None,
+                   recorders: list[StreamRecorder]) -> None:
         shard, offset = distributed.shard(batches, self.ranks)
         sequential = self.pipeline == "sequential"
         size = self.sequences_per_chunk(shard, observers) if sequential else self.sequences_per_group(shard, observers)
@@ -112,12 +116,13 @@ class Runner:
         after = self.checkpoints.writer(self.passes, key, len(groups), size, observers) if self.checkpoints else None
         if done == len(groups):
             return
+        riders = observers + (recorders if done == 0 else [])  # a resumed pass cannot record the groups it skips
         if sequential:
             largest = max(groups[done:], key=lambda chunk: sum(batch.attention_mask.numel() for batch in chunk))
-            run_sequential(self.handle, groups, observers, self.store_kind(largest), self.execution.offload_dir, description,
+            run_sequential(self.handle, groups, riders, self.store_kind(largest), self.execution.offload_dir, description,
                            done, after, show=self.ranks.is_main)
         else:
-            run_whole(self.handle, groups, observers, description, done, after, show=self.ranks.is_main)
+            run_whole(self.handle, groups, riders, description, done, after, show=self.ranks.is_main)
 
     def store_kind(self, batches: Iterable[Batch] = (), copies: int = 1) -> str:
         """Where activations wait between layers: as ``--offload`` says; ``auto`` keeps ``copies`` of the
@@ -204,4 +209,4 @@ def run_observers(model, calibration: Iterable[Batch], observers: list[Observer]
     return runner
 
 
-__all__ = ["LayerProgram", "Runner", "chunks_of", "run_observers", "run_sequential", "run_whole"]
+__all__ = ["LayerProgram", "Runner", "StreamRecorder", "chunks_of", "run_observers", "run_sequential", "run_whole"]
