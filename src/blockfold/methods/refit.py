@@ -251,13 +251,15 @@ class DownstreamRefit:
                     entry = {"block": index}
                     for name in ("attention", "shared"):  # before the attention output's refit, which reads them
                         if name in norms:
-                            entry[f"{name}_inputs"] = self._refit_inputs(program, name, *norms[name], run)
+                            entry[f"{name}_inputs"] = self._refit_inputs(program, name, *norms[name], run,
+                                                                         program.hidden)
                     if isinstance(attention, nn.Linear):
                         entry["attention"] = self._refit_projection(program, attention, run, "middle", True)
                     elif attention is not None:
                         entry["attention"] = {"skipped": attention}
                     if "mlp" in norms:
-                        entry["mlp_inputs"] = self._refit_inputs(program, "mlp", *norms["mlp"], run)
+                        after_attention = (lambda number: store.get(f"attended:{number}")) if isinstance(attention, nn.Linear) else None
+                        entry["mlp_inputs"] = self._refit_inputs(program, "mlp", *norms["mlp"], run, after_attention)
                     if inputs_only:  # what it writes passes a norm and is kept
                         entry["outputs"] = {"skipped": reason}
                     else:
@@ -331,20 +333,28 @@ class DownstreamRefit:
             groups = {"shared": (attention_norm, groups["attention"][1] + groups["mlp"][1])}
         return {name: (norm, linears) for name, (norm, linears) in groups.items() if linears}
 
-    def _refit_inputs(self, program: LayerProgram, name: str, norm: nn.Module, linears: list[nn.Linear], run) -> dict:
+    def _refit_inputs(self, program: LayerProgram, name: str, norm: nn.Module, linears: list[nn.Linear], run,
+                      reads=None) -> dict:
         """Fit one map ``M`` from the compressed stream's normed input of a sublayer to the original's
         (``min ‖n_c M − n_o‖² + λ‖M − I‖²``) and fold it into every projection that reads it (``W ← W Mᵀ``):
         each projection's output then matches, on the compressed model's inputs, what the original
         block computed on its own (one solve gives every projection's ridge fit toward its weight,
         since they share the inputs). Projections that do not read the norm's output as it is (a cast
-        or another input in between) leave the sublayer as it was."""
-        equations, elsewhere = ProjectionEquations(), False
+        or another input in between) leave the sublayer as it was. ``reads(number)``: the stream the
+        norm should read in batch ``number``; where the first batch's run shows it does, the norm is
+        applied to it directly in the other batches instead of running the block."""
+        equations, elsewhere, direct = ProjectionEquations(), False, reads is not None
         for number, mask in enumerate(program.masks):
-            with contextlib.ExitStack() as hooks:
-                normed = hooks.enter_context(_captured(norm))
-                read = [hooks.enter_context(_captured(linear)) for linear in linears] if number == 0 else []
-                _run_until(run, program.hidden(number), number, [norm, *(linears if number == 0 else [])])
-            elsewhere |= any(not torch.equal(captured["inputs"], normed["output"]) for captured in read)
+            if number > 0 and direct:
+                normed = {"output": norm(reads(number))}
+            else:
+                with contextlib.ExitStack() as hooks:
+                    normed = hooks.enter_context(_captured(norm))
+                    read = [hooks.enter_context(_captured(linear)) for linear in linears] if number == 0 else []
+                    _run_until(run, program.hidden(number), number, [norm, *(linears if number == 0 else [])])
+                if number == 0 and direct:
+                    direct = torch.equal(normed["inputs"], reads(0))
+                elsewhere |= any(not torch.equal(captured["inputs"], normed["output"]) for captured in read)
             equations.add(normed["output"][mask], self.store.get(f"{name}-input:{number}")[mask])
         distributed.reduce_observers([equations], distributed.current())  # every process, before any returns
         if elsewhere:
@@ -375,7 +385,7 @@ class DownstreamRefit:
             reached = hidden + captured["output"] if middle else output
             if not middle:  # the block's output less this projection's: with the new weight's, the next input
                 store.put(f"rest:{number}", output - captured["output"])
-                store.put(f"read:{number}", captured["inputs"])
+            store.put(f"read:{number}", captured["inputs"])
             contribution = captured["output"][mask].double()
             if linear.bias is not None:
                 contribution = contribution - linear.bias.double()
@@ -400,9 +410,14 @@ class DownstreamRefit:
             result["relative_error_after"] = sums.relative_residual(refitted)
         new_weight = refitted.T.to("cpu", job.handle.dtype).contiguous()
         job.handle.transform(linear, "weight", lambda weight: new_weight.to(weight.device, weight.dtype))
-        if not middle:  # the block's output with the new weight, without running it again (it is linear in it)
-            for number in range(len(program.masks)):
-                program.set_hidden(number, store.get(f"rest:{number}") + linear(store.get(f"read:{number}")))
+        # the stream after this projection's add with the new weight, without running the block again (it is
+        # linear in the weight): the block's output (the next block's input), or the stream after the attention
+        for number in range(len(program.masks)):
+            written = linear(store.get(f"read:{number}"))
+            if middle:
+                store.put(f"attended:{number}", program.hidden(number) + written)
+            else:
+                program.set_hidden(number, store.get(f"rest:{number}") + written)
         return result
 
 
