@@ -154,6 +154,18 @@ def test_a_recording_the_statistics_budget_cannot_hold_is_not_made_and_the_plan_
         assert torch.allclose(tight.model.state_dict()[name], value, atol=1e-6), name
 
 
+def test_a_refit_on_fewer_tokens_than_its_projections_have_inputs_says_it_will_overfit(caplog):
+    """A down-projection of 64 inputs fitted on 48 tokens fits the tokens, not the model (SLEB's own 1,024
+    tokens did that to SmolLM2's 1,536-input projections): the run says so, naming the fix."""
+    few = random_calibration(num_sequences=2, length=24, batch_size=2)
+    blockfold.compress(tiny_model("llama"), tiny_tokenizer(), blockfold.ReplaceMe(blocks=2), calibration=few)
+    assert any("fewer than it has inputs" in record.getMessage() and "--num-seqs" in record.getMessage()
+               for record in caplog.records)
+    caplog.clear()
+    blockfold.compress(tiny_model("llama"), tiny_tokenizer(), blockfold.ReplaceMe(blocks=2), calibration=random_calibration())
+    assert not any("fewer than it has inputs" in record.getMessage() for record in caplog.records)
+
+
 def _output_error(model, original, calibration) -> float:
     with torch.no_grad():
         errors = [(model(batch.input_ids).logits - original(batch.input_ids).logits).pow(2).mean() for batch in calibration]

@@ -122,6 +122,13 @@ class DownstreamRefit:
         inputs_anywhere = any(self._inputs_only(layer) for layer in job.handle.layers())
         #: why no block of this model can be refitted (then no pass is spent on the streams), else None
         self.inapplicable = None if None in reasons or inputs_anywhere else ", ".join(sorted(reasons))
+        tokens = sum(int(batch.attention_mask.sum()) for batch in job.calibration)
+        inputs = _intermediate_size(job.model.config, job.hidden_size)
+        if self.inapplicable is None and tokens < inputs:
+            logger.warning("the refit fits down-projections of %d inputs on %d calibration tokens, fewer than it has "
+                           "inputs: it will fit those tokens rather than the model; calibrate on more (--num-seqs, "
+                           "--seq-len), or use --refit none",
+                           inputs, tokens)
 
     @classmethod
     def of(cls, job: Job, spans: list[RemovedSpan], **extra) -> "DownstreamRefit":
