@@ -660,11 +660,16 @@ def render_refit(parts: list[dict]) -> str:
 
 def render_refit_stage(parts: list[dict]) -> str:
     """Issue #42: every block-removal method as its paper runs it and with the refit stage after it, on the
-    same blocks, held-out perplexity per text (the ratio is plain over refitted)."""
+    same blocks, held-out perplexity per text (the ratio is plain over refitted). Runs of one model and
+    budget (a run continued in a second one) make one table."""
     lines = []
+    runs: dict[tuple, list[dict]] = {}
     for results in parts:
+        runs.setdefault((results["model"], results["blocks"]), []).append(results)
+    for same in runs.values():
+        results = same[0]
         texts = [text for text in results["original"]["perplexity"] if "held out" in text]
-        rows = {row["method"]: row for row in results["rows"]}
+        rows = {row["method"]: row for part in same for row in part["rows"]}
         lines += [f"### {results['model']}, {results['blocks']} blocks removed", "",
                   "| method | removed blocks | " + " | ".join(f"{text}: plain → refit" for text in texts)
                   + " | block forwards: plain → refit |", "|---|---|" + "---|" * len(texts) + "---|",
@@ -679,8 +684,32 @@ def render_refit_stage(parts: list[dict]) -> str:
                      f"({plain['perplexity'][t] / refitted['perplexity'][t]:.1f}x)" for t in texts]
             forwards = f"{plain['forward_passes']:.2f} → {refitted['forward_passes']:.2f}"
             lines.append(f"| {name} | {_span(plain['removed_blocks'])} | " + " | ".join(cells) + f" | {forwards} |")
-        lines += ["", *_footer([results]), ""]
+        lines += ["", *_footer(same), ""]
     return "\n".join(lines).rstrip()
+
+
+def render_one_pass(parts: list[dict]) -> str:
+    """Issue #46: the default compress's cost in block forwards (exact) and in plain forward passes (wall
+    time, each run against its own), per code version, and how far the versions' weights differ."""
+    lines = ["| commit | method | removed blocks | block forwards | passes | compress time / one plain forward "
+             "| the refit's original streams |", "|---|---|---|---|---|---|---|"]
+    for results in parts:
+        commit = results["provenance"]["commit"].split("+")[0][:7]
+        for row in results["rows"]:
+            lines.append(f"| `{commit}` | {row['method']} | {_span(row['removed_blocks'])} | {row['block_forwards']:.2f} "
+                         f"| {row['passes']} | {row['compress_in_plain_forwards']:.2f} "
+                         f"| {row['refit_original_streams'] or '-'} |")
+    first = {row["method"]: row for row in parts[0]["rows"]}
+    for results in parts[1:]:
+        for row in results["rows"]:
+            reference = first.get(row["method"])
+            if reference is None or reference["removed_blocks"] != row["removed_blocks"]:
+                continue
+            worst = max(abs(value - reference["weights"][name]) / max(reference["weights"][name], 1e-30)
+                        for name, value in row["weights"].items())
+            lines.append(f"\n{row['method']} at `{results['provenance']['commit'][:7]}` against "
+                         f"`{parts[0]['provenance']['commit'][:7]}`: every tensor's Σ|w| within {worst:.1e} (relative).")
+    return "\n".join([*lines, "", *_footer(parts)])
 
 
 def render_span_count_search(parts: list[dict]) -> str:
@@ -841,8 +870,9 @@ SECTIONS: dict[str, tuple[str | tuple[str, ...], Callable]] = {
                      "new_methods_12_part2.json", "new_methods_gemma_4_part4.json", "new_methods_8_spans.json",
                      "new_methods_4_spans.json"),
                     render_new_methods),
-    "refit-stage": (("refit_stage_8.json",),
+    "refit-stage": (("refit_stage_8.json", "refit_stage_8b.json"),
                     render_refit_stage),
+    "one-pass": (("one_pass_before.json", "one_pass_after.json"), render_one_pass),
     "span-count": (("spans_auto_in_sample_12.json", "spans_auto_12.json", "spans_auto_8.json", "spans_auto_4.json",
                     "spans_auto_gemma_4.json", "spans_auto_12_v10.json"), render_span_count_search),
     "selection": (("selection_smollm2_c4.json", "selection_gemma_c4.json", "selection_compare_c4.json"),

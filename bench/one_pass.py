@@ -1,0 +1,81 @@
+"""Issue #46: what one default ``compress`` costs, in units of one plain forward pass of its calibration
+set, measured in one process: a plain forward of every calibration batch through the model (no hooks,
+no statistics; timed after a warm-up, before and after the compress, and averaged), then the compress
+of a copy with hooks counting the token positions every decoder block runs (block forwards, in passes
+of the calibration set through every block: machine-independent).
+
+    .venv/bin/python bench/one_pass.py --model smollm2-135m --blocks 8 --json out.json
+
+Run it once per code version (``PYTHONPATH=<checkout>/src``) to compare versions: each run's ratio is
+its own, so the machine's speed cancels; the block-forward counts are exact.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import blockfold
+from blockfold.api import provenance
+from blockfold.data import build_calibration
+from blockfold.jsonfile import write_json
+from blockfold.recipe import CalibrationConfig, Recipe
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from defaults_validation import CALIBRATION_DOCUMENTS, DATA  # noqa: E402
+from new_methods import count_block_tokens, parse_method  # noqa: E402
+
+
+@torch.no_grad()
+def plain_forward_seconds(model, calibration) -> float:
+    """Seconds for one forward of every calibration batch through ``model`` as transformers runs it."""
+    started = time.perf_counter()
+    for batch in calibration:
+        model(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
+    return time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--blocks", type=int, default=8)
+    parser.add_argument("--methods", default="replaceme", help="method specs as in bench/new_methods.py")
+    parser.add_argument("--json", required=True)
+    args = parser.parse_args()
+    loaded = blockfold.load_model(args.model)
+    calibration = build_calibration(CalibrationConfig(source=str(DATA / "c4_demo.jsonl"),
+                                                      max_documents=CALIBRATION_DOCUMENTS), loaded.tokenizer)
+    tokens = sum(batch.input_ids.numel() for batch in calibration)
+    num_layers = loaded.model.config.num_hidden_layers
+    plain_forward_seconds(loaded.model, list(calibration)[:1])  # warm-up
+    results = {"provenance": provenance(["bench/one_pass.py", *sys.argv[1:]]), "model": args.model,
+               "blocks": args.blocks, "calibration": calibration.description, "rows": []}
+    for spec in args.methods.split(","):
+        before = plain_forward_seconds(loaded.model, calibration)
+        model = copy.deepcopy(loaded.model)
+        counted = count_block_tokens(model)
+        method, settings = parse_method(spec)
+        started = time.perf_counter()
+        result = blockfold.compress(model, loaded.tokenizer, Recipe.parse({"method": method, "blocks": args.blocks,
+                                                                           **settings}), calibration=calibration)
+        seconds = time.perf_counter() - started
+        after = plain_forward_seconds(loaded.model, calibration)
+        plain = (before + after) / 2
+        row = {"method": spec, "removed_blocks": result.manifest["removed_blocks"], "compress_seconds": seconds,
+               "plain_forward_seconds": [before, after], "compress_in_plain_forwards": seconds / plain,
+               "block_forwards": counted[0] / (tokens * num_layers), "passes": result.manifest["execution"]["passes"],
+               "refit_original_streams": (result.manifest.get("refit") or {}).get("original_streams"),
+               "weights": {name: float(value.double().abs().sum()) for name, value in model.state_dict().items()}}
+        results["rows"].append(row)
+        print({key: row[key] for key in ("method", "removed_blocks", "compress_in_plain_forwards", "block_forwards",
+                                         "passes")}, flush=True)
+        write_json(args.json, results)
+
+
+if __name__ == "__main__":
+    main()
