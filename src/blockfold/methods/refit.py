@@ -122,13 +122,13 @@ class DownstreamRefit:
         inputs_anywhere = any(self._inputs_only(layer) for layer in job.handle.layers())
         #: why no block of this model can be refitted (then no pass is spent on the streams), else None
         self.inapplicable = None if None in reasons or inputs_anywhere else ", ".join(sorted(reasons))
+        #: a down-projection's inputs: what the refit keeps of each block beside the streams, and fits on
+        self.intermediate = _intermediate_size(job.model.config, job.hidden_size)
         tokens = sum(int(batch.attention_mask.sum()) for batch in job.calibration)
-        inputs = _intermediate_size(job.model.config, job.hidden_size)
-        if self.inapplicable is None and tokens < inputs:
+        if self.inapplicable is None and tokens < self.intermediate:
             logger.warning("the refit fits down-projections of %d inputs on %d calibration tokens, fewer than it has "
                            "inputs: it will fit those tokens rather than the model; calibrate on more (--num-seqs, "
-                           "--seq-len), or use --refit none",
-                           inputs, tokens)
+                           "--seq-len), or use --refit none", self.intermediate, tokens)
 
     @classmethod
     def of(cls, job: Job, spans: list[RemovedSpan], **extra) -> "DownstreamRefit":
@@ -143,10 +143,10 @@ class DownstreamRefit:
         if self.inapplicable is not None:
             logger.warning("no down-projection of this model can be refitted (%s): the refit is skipped", self.inapplicable)
             return self
-        # per batch: the input, each span's end, the original stream, two sublayer inputs, and the refitted
-        # block's output less its down-projection's with that projection's inputs (intermediate-sized)
-        d = handle.adapter.hidden_size(handle.model)
-        kept = 5 + len(self.spans) + math.ceil(_intermediate_size(handle.model.config, d) / d)
+        # per batch: the input, each span's end, the original stream, two sublayer inputs, the compressed
+        # stream after the attention, and the refitted block's output less its down-projection's with that
+        # projection's inputs (intermediate-sized)
+        kept = 6 + len(self.spans) + math.ceil(self.intermediate / self.job.hidden_size)
         self.store = ActivationStore(self.job.runner.store_kind(self.batches, kept), handle.device,
                                      self.job.runner.execution.offload_dir)
         try:
@@ -171,17 +171,16 @@ class DownstreamRefit:
             return False
         first = max(self.spans[0].start - 1, 0)
         ends = {span.start + span.length: number for number, span in enumerate(self.spans)}
-        if not recorded.covers(self.batches, {first, *ends}):
-            return False
-        for number, hidden in enumerate(recorded.stream(first, self.batches)):
-            self.store.put(f"input:{number}", hidden)
-        for depth, span in ends.items():
-            for number, hidden in enumerate(recorded.stream(depth, self.batches)):
-                self.store.put(f"after{span}:{number}", hidden)
+        self.recorded = recorded.covers(self.batches, {first, *ends})
+        if self.recorded:
+            for number, hidden in enumerate(recorded.stream(first, self.batches)):
+                self.store.put(f"input:{number}", hidden)
+            for depth, span_number in ends.items():
+                for number, hidden in enumerate(recorded.stream(depth, self.batches)):
+                    self.store.put(f"after{span_number}:{number}", hidden)
         recorded.close()
         self.job.streams = None
-        self.recorded = True
-        return True
+        return self.recorded
 
     def _record_original(self) -> None:
         """The original model up to the deepest span's end: the input of the block before the first
@@ -265,8 +264,9 @@ class DownstreamRefit:
                     elif attention is not None:
                         entry["attention"] = {"skipped": attention}
                     if "mlp" in norms:
-                        after_attention = (lambda number: store.get(f"attended:{number}")) if isinstance(attention, nn.Linear) else None
-                        entry["mlp_inputs"] = self._refit_inputs(program, "mlp", *norms["mlp"], run, after_attention)
+                        attended = (lambda number: store.get(f"attended:{number}")) if isinstance(attention, nn.Linear) \
+                            else None  # the stream after the refitted attention, where it was refitted
+                        entry["mlp_inputs"] = self._refit_inputs(program, "mlp", *norms["mlp"], run, attended)
                     if inputs_only:  # what it writes passes a norm and is kept
                         entry["outputs"] = {"skipped": reason}
                     else:
@@ -471,9 +471,9 @@ def plan_refit_sums(context, plan) -> None:
     # AᵀA and AᵀR; with the stream scale also AᵀH (the rest of the block's output)
     refit_sums = intermediate * (intermediate + (2 if settings.refit_scale else 1) * d) * 8
     plan.sums = max(plan.sums, refit_sums)
-    # the streams, the block's output less its down-projection's, and that projection's inputs; "all" also
-    # keeps the original's two normed inputs
-    copies = (5 if settings.refit == "all" else 3) + 1 + math.ceil(intermediate / d)
+    # the streams, the compressed stream after the attention, the block's output less its down-projection's,
+    # and that projection's inputs; "all" also keeps the original's two normed inputs
+    copies = (5 if settings.refit == "all" else 3) + 2 + math.ceil(intermediate / d)
     plan.notes.append(f"refit: {gib(refit_sums)} of sums per down-projection, and the original and compressed "
                       f"streams kept for all calibration tokens ({gib(copies * context.tokens * d * context.element)})")
 

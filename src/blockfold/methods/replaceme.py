@@ -57,6 +57,8 @@ AUTO_HELD_OUT = 1 / 8
 _FIT_CRITERIA = frozenset({"fit_error", "fit_error_stream"})
 #: criteria that need the stream moments (CKA, CCA) in the pass
 _MOMENT_CRITERIA = frozenset({"cka", "cca"})
+#: where the first pass keeps the stream the refit reads, by ``--offload`` (auto: beside the sums)
+RECORDING_PLACE = {"auto": "device", "none": "device", "cpu": "cpu", "disk": "disk"}
 
 
 @dataclass
@@ -214,10 +216,6 @@ def _stream_recorder(job: Job, lengths: list[int], room: int) -> StreamRecorder 
     runner.offloaded.add(where)
     job.notes["original_streams"]["kept"] = where
     return StreamRecorder(depths, store)
-
-
-#: where the first pass keeps the stream the refit reads, by ``--offload`` (auto: beside the sums)
-RECORDING_PLACE = {"auto": "device", "none": "device", "cpu": "cpu", "disk": "disk"}
 
 
 def recording_bytes(depths: int, tokens: int, hidden_size: int, element: int) -> int:

@@ -25,7 +25,6 @@ class StreamRecorder:
         self.last_layer = max(self.depths) - 1 if max(self.depths) > 0 else 0
         self._group = 0
         self._tokens = 0
-        self._layers_seen: set[int] = set()
 
     def on_layer(self, acts: LayerActivations) -> None:
         if acts.index in self.depths:
