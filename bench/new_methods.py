@@ -120,7 +120,9 @@ def main() -> None:
                                                         "there, hours on two CPU cores)")
     parser.add_argument("--sleb-sequences", type=int, default=4,
                         help="SLEB alone calibrates on this many sequences of 256 tokens: it scores every "
-                             "remaining block with the whole model's loss at every step (issue #3's setting)")
+                             "remaining block with the whole model's loss at every step (issue #3's setting); a "
+                             "sleb row that sets score_sequences takes the recipe's calibration and scores on "
+                             "its first sequences instead (so a refit after it fits on all)")
     parser.add_argument("--num-seqs", type=int, default=64,
                         help="calibration sequences of 512 tokens from the same documents 0-127 (the recipe: 64; "
                              "they hold 142)")
@@ -161,7 +163,7 @@ def main() -> None:
         method, settings = parse_method(spec)
         model = copy.deepcopy(loaded.model)
         counted = count_block_tokens(model)
-        method_calibration = sleb_calibration if method == "sleb" else calibration
+        method_calibration = sleb_calibration if method == "sleb" and "score_sequences" not in settings else calibration
         started = time.perf_counter()
         result = blockfold.compress(model, loaded.tokenizer, Recipe.parse({"method": method, "blocks": args.blocks,
                                                                            **settings}), calibration=method_calibration)

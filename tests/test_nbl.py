@@ -252,6 +252,43 @@ def test_sleb_removes_the_blocks_that_do_nothing(tokenizer):
     assert result.manifest["removed_blocks"] == [1, 4] and model.config.num_hidden_layers == 4
 
 
+def test_sleb_scores_on_its_first_sequences_and_the_refit_fits_on_all(tokenizer):
+    """``score_sequences``: SLEB's choice is the one it makes on those sequences alone, while the refit
+    after it fits on every calibration token (SLEB's stream per candidate is what few sequences save)."""
+    from blockfold.data import CalibrationSet
+
+    calibration = random_calibration(num_sequences=8, length=24, batch_size=4)
+    first = CalibrationSet(calibration.first_sequences(3), {"source": "random", "sequences": 3})
+    assert [len(batch) for batch in first] == [3]
+    alone = blockfold.compress(tiny_model("llama"), tokenizer, {"method": "sleb", "blocks": 2}, calibration=first)
+    scored = blockfold.compress(tiny_model("llama"), tokenizer,
+                                {"method": "sleb", "blocks": 2, "score_sequences": 3, "refit": "down"},
+                                calibration=calibration)
+    assert scored.manifest["removed_blocks"] == alone.manifest["removed_blocks"]
+    assert scored.manifest["selection"]["scored_sequences"] == 3
+    assert scored.manifest["selection"]["steps"] == alone.manifest["selection"]["steps"]
+    assert {fit["tokens"] for fit in _refit_fits(scored.manifest)} == {calibration.num_tokens}
+
+
+def _refit_fits(manifest: dict) -> list[dict]:
+    """Every fit the refit stage's manifest reports (each with the tokens it was fitted on)."""
+    found = []
+
+    def walk(node):
+        if isinstance(node, dict):
+            if "tokens" in node and "relative_error_before" in node:
+                found.append(node)
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(manifest["refit"])
+    assert found, manifest["refit"]
+    return found
+
+
 def test_attention_budget_is_checked(tokenizer):
     with pytest.raises(BlockfoldError, match="attention_layers"):
         blockfold.Recipe.parse({"method": "replaceme", "attention_layers": 4})

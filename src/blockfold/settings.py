@@ -323,6 +323,8 @@ class SLEB(RefitStage, BlockBudget):
     method: ClassVar[str] = "sleb"
     runner: ClassVar[str] = "blockfold.methods.sleb:compress_sleb"
     planner: ClassVar[str | None] = "blockfold.methods.sleb:plan_sleb"
+    score_sequences: int | None = Field(None, ge=1, description="score on the first N calibration sequences "
+                                                                "(default: all; the refit still fits on all)")
 
 
 class PruneComp(RefitStage, BlockBudget):

@@ -71,6 +71,18 @@ class CalibrationSet:
     def num_tokens(self) -> int:
         return sum(b.num_tokens for b in self.batches)
 
+    def first_sequences(self, count: int | None) -> list[Batch]:
+        """The batches of the first ``count`` sequences (all where ``count`` is None), for a method that
+        scores on a few sequences what costs a stream per candidate."""
+        kept, total = [], 0
+        for batch in self.batches:
+            if count is not None and total >= count:
+                break
+            take = len(batch) if count is None else min(len(batch), count - total)
+            kept.append(batch.rows(0, take) if take < len(batch) else batch)
+            total += take
+        return kept
+
 
 def _read_text(path: Path) -> str:
     try:

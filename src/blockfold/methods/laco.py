@@ -150,7 +150,7 @@ def collapse(handle: ModelHandle, first: int, merged: int) -> None:
 def compress_laco(job: Job) -> dict:
     settings: LaCo = job.settings
     remaining = settings.num_blocks(job.num_layers)
-    batches = _first_sequences(list(job.calibration), settings.similarity_sequences)
+    batches = job.calibration.first_sequences(settings.similarity_sequences)
     original_index = list(range(job.num_layers))
     store_kind, offload_dir = job.runner.store_kind(batches), job.runner.execution.offload_dir
     reference = last_block_outputs(job.handle, batches, store_kind, offload_dir)
@@ -177,18 +177,6 @@ def compress_laco(job: Job) -> dict:
                       "candidates": steps[0]["candidates"], "steps": steps,
                       "tokens": sum(int(b.attention_mask.sum()) for b in batches)},
     }
-
-
-def _first_sequences(batches: list[Batch], count: int) -> list[Batch]:
-    """The first ``count`` sequences of the calibration batches (LaCo's few sentences)."""
-    kept, total = [], 0
-    for batch in batches:
-        if total >= count:
-            break
-        take = min(len(batch), count - total)
-        kept.append(batch.rows(0, take))
-        total += take
-    return kept
 
 
 def plan_laco(context: PlanContext) -> MethodPlan:

@@ -57,7 +57,7 @@ def candidate_losses(handle: ModelHandle, batches: list[Batch], candidates: list
 def compress_sleb(job: Job) -> dict:
     count = job.settings.num_blocks(job.num_layers)
     original_index = list(range(job.num_layers))
-    batches = list(job.calibration)
+    batches = job.calibration.first_sequences(job.settings.score_sequences)
     steps = []
     for _ in bar(range(count), desc="SLEB", unit="block"):
         perplexities = candidate_losses(job.handle, batches, list(range(job.num_layers)),
@@ -73,7 +73,7 @@ def compress_sleb(job: Job) -> dict:
         "removed_blocks": sorted(removed),
         "selection": {"criterion": "calibration_perplexity_greedy", "order": removed,
                       "score": steps[-1]["calibration_perplexity"], "candidates": steps[0]["candidates"],
-                      "steps": steps},
+                      "steps": steps, "scored_sequences": sum(len(batch) for batch in batches)},
     }
 
 
@@ -81,9 +81,12 @@ def plan_sleb(context: PlanContext) -> MethodPlan:
     """SLEB's plan for ``--dry-run``: one step per removed block, each keeping a stream per candidate."""
     from blockfold.plan import MethodPlan, gib
 
-    streams = context.num_layers * context.tokens * context.hidden_size * context.element
+    calibration, scored = context.calibration, context.settings.score_sequences
+    share = 1.0 if scored is None else min(scored, calibration.num_sequences) / calibration.num_sequences
+    streams = context.num_layers * share * context.tokens * context.hidden_size * context.element
     steps = context.settings.num_blocks(context.num_layers)
-    # each sweep runs every candidate's stream through the blocks after it: about num_layers / 2 passes of work
-    return MethodPlan(passes=steps, extra_forward=steps * ((context.num_layers + 1) / 2 - 1),
+    # each sweep runs every candidate's stream through the blocks after it: about num_layers / 2 passes of
+    # work over the sequences it scores on
+    return MethodPlan(passes=steps, extra_forward=steps * (share * (context.num_layers + 1) / 2 - 1),
                       notes=[f"one stream per candidate block: {gib(streams)} of hidden states (use a small "
-                             "calibration set)"])
+                             "calibration set, or score_sequences)"])
