@@ -130,6 +130,8 @@ def _span(blocks: list[int]) -> str:
     """Blocks as a range where contiguous; none (a method that linearizes blocks instead) as "-"."""
     if not blocks:
         return "-"
+    if len(blocks) == 1:
+        return str(blocks[0])
     return f"{blocks[0]}-{blocks[-1]}" if blocks == list(range(blocks[0], blocks[-1] + 1)) else ", ".join(map(str, blocks))
 
 
@@ -666,7 +668,7 @@ def render_refit_stage(parts: list[dict]) -> str:
     runs: dict[tuple, list[dict]] = {}
     for results in parts:
         runs.setdefault((results["model"], results["blocks"]), []).append(results)
-    for same in runs.values():
+    for _, same in sorted(runs.items(), key=lambda run: (run[0][0] != "smollm2-135m", run[0])):
         results = same[0]
         texts = [text for text in results["original"]["perplexity"] if "held out" in text]
         rows = {row["method"]: row for part in same for row in part["rows"]}
@@ -676,8 +678,8 @@ def render_refit_stage(parts: list[dict]) -> str:
                   "| original | - | " + " | ".join(_perplexity(results["original"]["perplexity"][t]) for t in texts)
                   + " | - |"]
         for name, plain in rows.items():
-            refitted = rows.get(f"{name}:refit=all")
-            if ":" in name or refitted is None:
+            refitted = rows.get(f"{name};refit=all" if ":" in name else f"{name}:refit=all")
+            if "refit=" in name or refitted is None:
                 continue
             assert plain["removed_blocks"] == refitted["removed_blocks"], name
             cells = [f"{_perplexity(plain['perplexity'][t])} → **{_perplexity(refitted['perplexity'][t])}** "

@@ -233,6 +233,31 @@ def test_accuracy_runs_of_one_setting_share_a_table_and_must_share_their_origina
     assert render.render_accuracy([results("uidl", 0.6), other_limit]).count("| original |") == 2
 
 
+def test_refit_stage_pairs_each_setting_with_its_refit_twin_across_runs(render):
+    held_out = "C4 (held out)"
+
+    def row(method: str, ppl: float, blocks: list[int]) -> dict:
+        return {"method": method, "removed_blocks": blocks, "forward_passes": 1.0,
+                "perplexity": {"WikiText-2 (chosen on)": ppl, held_out: ppl}}
+
+    def results(model: str, blocks: int, rows: list[dict]) -> dict:
+        return {"provenance": PROVENANCE, "model": model, "blocks": blocks, "rows": rows,
+                "original": {"perplexity": {"WikiText-2 (chosen on)": 10.0, held_out: 20.0}}}
+
+    text = render.render_refit_stage([
+        results("gemma3-270m", 4, [row("uidl", 90.0, [5]), row("uidl:refit=all", 45.0, [5])]),
+        results("smollm2-135m", 8, [row("sleb", 60.0, [3]), row("sleb:score_sequences=2", 80.0, [4]),
+                                    row("laco", 70.0, [6])]),
+        results("smollm2-135m", 8, [row("sleb:score_sequences=2;refit=all", 40.0, [4]),
+                                    row("sleb:refit=all", 120.0, [3])]),
+    ])
+    assert text.index("### smollm2-135m, 8 blocks") < text.index("### gemma3-270m, 4 blocks")
+    assert "| sleb | 3 | 60.00 → **120.00** (0.5x) | 1.00 → 1.00 |" in text
+    assert "| sleb:score_sequences=2 | 4 | 80.00 → **40.00** (2.0x) | 1.00 → 1.00 |" in text
+    assert "| uidl | 5 | 90.00 → **45.00** (2.0x)" in text
+    assert "laco" not in text and "WikiText-2 (chosen on)" not in text  # no twin; held-out texts only
+
+
 def test_vision_section_gives_each_methods_agreement_and_knn_accuracy(render):
     row = {"method": "uidl", "blocks": 2, "removed_blocks": [6, 7], "parameters": 73.5e6, "recipe": {"settings": {}},
            "agreement": {"cosine_mean": 0.9699176, "cosine_min": 0.9669537, "images": 300}, "knn_accuracy": 0.4933}
