@@ -23,10 +23,8 @@ def solve_normal_equations(
     xtx, xty = xtx.double(), xty.double()
     eye = torch.eye(xtx.shape[0], dtype=xtx.dtype, device=xtx.device)
     factor, info = torch.linalg.cholesky_ex(xtx + alpha * eye)
-    if int(info) == 0:
-        eigen = torch.linalg.eigvalsh(xtx)
-        if alpha > 0 or eigen[0] > eigen[-1] * 1e-13:
-            return torch.cholesky_solve(xty, factor), alpha
+    if int(info) == 0 and (alpha > 0 or _well_conditioned(xtx)):  # a ridge needs no eigenvalues
+        return torch.cholesky_solve(xty, factor), alpha
     ridge = alpha + FALLBACK_RELATIVE_RIDGE * float(xtx.diagonal().mean().clamp(min=1e-30))
     if warn:
         warnings.warn(
@@ -36,6 +34,12 @@ def solve_normal_equations(
         )
     factor = torch.linalg.cholesky(xtx + ridge * eye)
     return torch.cholesky_solve(xty, factor), ridge
+
+
+def _well_conditioned(xtx: torch.Tensor) -> bool:
+    """Whether XᵀX's smallest eigenvalue is above 1e-13 of its largest (a solve below that is rounding)."""
+    eigen = torch.linalg.eigvalsh(xtx)
+    return bool(eigen[0] > eigen[-1] * 1e-13)
 
 
 def fit_lstsq(equations: NormalEquations, alpha: float = 0.0, warn: bool = True) -> tuple[torch.Tensor, dict]:

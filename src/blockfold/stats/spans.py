@@ -130,16 +130,18 @@ class SpanStatistics:
         self._identity_error = {i: 0.0 for i in self.fit_starts}
         self._weighted: dict[int, dict] = {}  # start → {"xtx", "xty", "yty", "identity"}
         self._hidden: dict[int, torch.Tensor] = {}  # boundary → residual stream (activations' dtype)
+        self._unit: dict[int, torch.Tensor] = {}  # boundary → its rows at unit length (float64), for distances
         self._x: dict[int, torch.Tensor] = {}  # block before a candidate → the map's input
         self._contribution: dict[int, torch.Tensor] = {}  # the same block's MLP contribution, when x differs
 
     # -- memory ---------------------------------------------------------------------------
     def window_bytes_per_token(self, hidden_size: int, element: int = 4) -> int:
         """Bytes per token of the layers kept within a group, at ``element`` bytes per value (the
-        activations' dtype), their float64 working copies included."""
+        activations' dtype), their float64 working copies and the distances' unit rows included."""
         boundaries = max(self.max_length, self.fit_length or 0) + 1
         open_inputs = min(self.fit_length or 0, len(self.fit_starts)) * (2 if self.inputs == "down_out" else 1)
-        return (boundaries + open_inputs) * hidden_size * element + 6 * hidden_size * 8
+        unit_rows = self.max_length + 1 if self.max_length else 0
+        return (boundaries + open_inputs) * hidden_size * element + (6 + unit_rows) * hidden_size * 8
 
     @staticmethod
     def sums_bytes_for(starts: int, hidden_size: int, equations: str = "full", stream_weighted: bool = True) -> int:
@@ -161,11 +163,14 @@ class SpanStatistics:
         current = acts.block_out
         self._hidden[j + 1] = current
         if self.max_length:
-            unit = _unit_rows(current)
+            if j == 0:
+                self._unit[0] = _unit_rows(acts.block_in)
+            unit = self._unit[j + 1] = _unit_rows(current)
             for length in range(1, self.max_length + 1):
                 start = j + 1 - length
                 if start >= 0:
-                    self._add_distance(start, length, _unit_rows(self._hidden[start]), unit, acts.last_token)
+                    self._add_distance(start, length, self._unit[start], unit, acts.last_token)
+            self._unit.pop(j + 1 - self.max_length, None)  # no later span starts there
         if (j + 1) in self._yty:  # block j precedes a candidate span starting at j + 1
             self._x[j] = acts.down_out if self.inputs == "down_out" else acts.mlp_contribution
             if self.inputs == "down_out":
@@ -207,6 +212,7 @@ class SpanStatistics:
 
     def end_batch(self) -> None:
         self._hidden.clear()
+        self._unit.clear()
         self._x.clear()
         self._contribution.clear()
 
