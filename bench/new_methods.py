@@ -68,24 +68,34 @@ def evaluation_dtype(name: str, device: str) -> torch.dtype:
     return getattr(torch, name)
 
 
-def earlier_original(path: str, model: str, tasks: list[str], limit: int, dtype_name: str) -> dict:
-    """The original's harness accuracy from an earlier run of the same model, tasks, limit and dtype, so
-    a run that adds rows to a table does not spend a quarter of an hour re-measuring the same model."""
-    if not tasks:
-        raise SystemExit(f"--original-from {path} takes the original's harness accuracy: give --tasks too")
+def earlier_original(path: str, model: str, tasks: list[str], limit: int, dtype_name: str,
+                     texts: list[str]) -> dict:
+    """The original's harness accuracy (with ``tasks``) and perplexity on ``texts`` (where given) from an
+    earlier run of the same model, tasks, limit and dtype, so a run that adds rows to a table does not
+    spend minutes (a quarter of an hour for the harness) re-measuring the same model."""
     try:
         earlier = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as error:
         earlier = error
     if not isinstance(earlier, dict):
         raise SystemExit(f"--original-from {path}: not a results JSON ({earlier}); give a file a run of this "
-                         "bench wrote with --tasks")
-    wanted = {"model": model, "tasks": tasks, "limit": limit, "eval_dtype": dtype_name}
-    found = {key: earlier.get(key) for key in wanted}
-    if found != wanted or "accuracy" not in earlier.get("original", {}):
-        raise SystemExit(f"--original-from {path}: it measured {found}, this run measures {wanted}; give a run of the "
-                         "same model, tasks, limit and dtype, or leave the option out to measure the original here")
-    return earlier["original"]["accuracy"]
+                         "bench wrote")
+    original, taken = earlier.get("original", {}), {}
+    if tasks:
+        wanted = {"model": model, "tasks": tasks, "limit": limit, "eval_dtype": dtype_name}
+        found = {key: earlier.get(key) for key in wanted}
+        if found != wanted or "accuracy" not in original:
+            raise SystemExit(f"--original-from {path}: it measured {found}, this run measures {wanted}; give a run of "
+                             "the same model, tasks, limit and dtype, or leave the option out to measure the original here")
+        taken["accuracy"] = original["accuracy"]
+    if texts:
+        measured = sorted(original.get("perplexity", {}))
+        if earlier.get("model") != model or measured != sorted(texts):
+            raise SystemExit(f"--original-from {path}: it measured the perplexity of {earlier.get('model')} on "
+                             f"{measured}, this run measures {model} on {sorted(texts)}; give a run of the same model "
+                             "and --windows, or leave the option out to measure the original here")
+        taken["perplexity"] = original["perplexity"]
+    return taken
 
 
 def parse_method(spec: str) -> tuple[str, dict]:
@@ -114,8 +124,8 @@ def main() -> None:
                         help="the copy the harness runs (auto: bfloat16 on cuda, float32 on cpu)")
     parser.add_argument("--no-perplexity", action="store_true", help="harness accuracy only")
     parser.add_argument("--original-from", default=None,
-                        help="take the original's accuracy from this earlier results JSON (same model, tasks, limit "
-                             "and dtype) instead of measuring it again")
+                        help="take the original's accuracy and perplexity from this earlier results JSON (same model, "
+                             "tasks, limit, dtype and --windows) instead of measuring them again")
     parser.add_argument("--device", default="cpu", help="where the models run (cuda: the harness tables take minutes "
                                                         "there, hours on two CPU cores)")
     parser.add_argument("--sleb-sequences", type=int, default=4,
@@ -130,7 +140,7 @@ def main() -> None:
     tasks = [task for task in args.tasks.split(",") if task]
     dtype = evaluation_dtype(args.eval_dtype, args.device)
     dtype_name = str(dtype).removeprefix("torch.")
-    earlier = earlier_original(args.original_from, args.model, tasks, args.limit, dtype_name) if args.original_from else None
+
     results = {"provenance": provenance(["bench/new_methods.py", *sys.argv[1:]]), "model": args.model,
                "blocks": args.blocks, "rows": []}
     loaded = blockfold.load_model(args.model, device=args.device)
@@ -144,19 +154,22 @@ def main() -> None:
     results["calibration"] = calibration.description
     results["num_layers"] = loaded.model.config.num_hidden_layers
     texts = evaluation_texts(loaded.tokenizer, args.windows)
+    earlier = (earlier_original(args.original_from, args.model, tasks, args.limit, dtype_name,
+                                [] if args.no_perplexity else list(texts)) if args.original_from else {})
     handle = as_handle(copy.deepcopy(loaded.model), loaded.tokenizer, None)
     started = time.perf_counter()
     Runner(handle).run(calibration, [SpanStatistics(handle.num_layers(), max_length=1)], "reference pass")
     pass_seconds = time.perf_counter() - started
     results["pass_seconds"] = pass_seconds
     results["original"] = {"parameters": count_parameters(loaded.model)}
-    if not args.no_perplexity:
+    if earlier:
+        results["original"] |= earlier
+        results["original_from"] = args.original_from
+    if not args.no_perplexity and "perplexity" not in earlier:
         results["original"]["perplexity"] = measure(loaded.model, texts, "original")
     if tasks:
         results["tasks"], results["limit"], results["eval_dtype"] = tasks, args.limit, dtype_name
-        if earlier is not None:
-            results["original"]["accuracy"], results["original_from"] = earlier, args.original_from
-        else:
+        if "accuracy" not in earlier:
             results["original"]["accuracy"] = accuracy(loaded.model, loaded.tokenizer, tasks, args.limit, dtype)
     write_json(args.json, results)  # now and after every row: a run stopped part way keeps the original
     for spec in args.methods.split(","):
