@@ -714,6 +714,23 @@ def render_one_pass(parts: list[dict]) -> str:
     return "\n".join([*lines, "", *_footer(parts)])
 
 
+def render_block_forwards(parts: list[dict]) -> str:
+    """Issue #46: every method's default (and the variants that re-run the model) in block forwards, per
+    code version side by side; a row whose blocks differ between versions says so."""
+    versions = [(results["provenance"]["commit"].split("+")[0][:7], {row["method"]: row for row in results["rows"]})
+                for results in parts]
+    header = " → ".join(f"`{commit}`" for commit, _ in versions)
+    lines = [f"| method | removed blocks | passes ({header}) | block forwards ({header}) |", "|---|---|---|---|"]
+    for method in dict.fromkeys(name for _, rows in versions for name in rows):
+        present = [rows[method] for _, rows in versions if method in rows]
+        blocks = {_span(row["removed_blocks"]) for row in present}
+        lines.append(f"| {method} | {' / '.join(sorted(blocks)) if len(blocks) > 1 else blocks.pop()} | "
+                     + " → ".join(str(rows[method]["passes"]) if method in rows else "-" for _, rows in versions) + " | "
+                     + " → ".join(f"{rows[method]['block_forwards']:.2f}" if method in rows else "-"
+                                  for _, rows in versions) + " |")
+    return "\n".join([*lines, "", *_footer(parts)])
+
+
 def render_span_count_search(parts: list[dict]) -> str:
     """ReplaceMe ``--spans auto``: the blocks each span count removes and its model's calibration loss,
     the count kept, and the kept model's perplexity on the chosen and held-out texts."""
@@ -875,6 +892,7 @@ SECTIONS: dict[str, tuple[str | tuple[str, ...], Callable]] = {
     "refit-stage": (("refit_stage_8.json", "refit_stage_8b.json"),
                     render_refit_stage),
     "one-pass": (("one_pass_before.json", "one_pass_after.json"), render_one_pass),
+    "block-forwards": (("block_forwards_before.json", "block_forwards_after.json"), render_block_forwards),
     "span-count": (("spans_auto_in_sample_12.json", "spans_auto_12.json", "spans_auto_8.json", "spans_auto_4.json",
                     "spans_auto_gemma_4.json", "spans_auto_12_v10.json"), render_span_count_search),
     "selection": (("selection_smollm2_c4.json", "selection_gemma_c4.json", "selection_compare_c4.json"),

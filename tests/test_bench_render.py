@@ -258,6 +258,23 @@ def test_refit_stage_pairs_each_setting_with_its_refit_twin_across_runs(render):
     assert "laco" not in text and "WikiText-2 (chosen on)" not in text  # no twin; held-out texts only
 
 
+def test_block_forwards_sets_each_versions_count_side_by_side(render):
+    def results(commit: str, rows: list[dict]) -> dict:
+        return {"provenance": PROVENANCE | {"commit": commit}, "rows": rows}
+
+    def row(method: str, forwards: float, passes: int, blocks: list[int]) -> dict:
+        return {"method": method, "block_forwards": forwards, "passes": passes, "removed_blocks": blocks}
+
+    text = render.render_block_forwards([
+        results("aaaaaaa1", [row("replaceme", 2.13, 3, [4, 5]), row("sleb", 5.0, 2, [1])]),
+        results("bbbbbbb2", [row("replaceme", 1.25, 2, [4, 5]), row("sleb", 5.0, 2, [2]), row("laco", 1.5, 2, [])]),
+    ])
+    assert "| method | removed blocks | passes (`aaaaaaa` → `bbbbbbb`) | block forwards (`aaaaaaa` → `bbbbbbb`) |" in text
+    assert "| replaceme | 4-5 | 3 → 2 | 2.13 → 1.25 |" in text
+    assert "| sleb | 1 / 2 | 2 → 2 | 5.00 → 5.00 |" in text
+    assert "| laco | - | - → 2 | - → 1.50 |" in text
+
+
 def test_vision_section_gives_each_methods_agreement_and_knn_accuracy(render):
     row = {"method": "uidl", "blocks": 2, "removed_blocks": [6, 7], "parameters": 73.5e6, "recipe": {"settings": {}},
            "agreement": {"cosine_mean": 0.9699176, "cosine_min": 0.9669537, "images": 300}, "knn_accuracy": 0.4933}
