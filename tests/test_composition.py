@@ -372,9 +372,10 @@ NOT_SIMULATED = {("replaceme+heal", mode) for mode in HALF_MODES}
 
 
 def _architectures_of(case: str) -> tuple[str, ...]:
-    """The refit stage after a method is its twin route, the same on every family: a ``+refit`` case runs
-    on the Llama alone (the family-specific refit, sandwich inputs and skipped expert blocks, runs in
-    every ReplaceMe case on all three), which keeps the default test run inside its 15 minutes."""
+    """The refit stage after a method takes one route (a twin, or DROP's recorded pass) on every family: a
+    ``+refit`` case runs on the Llama alone (the family-specific refit, sandwich inputs and skipped expert
+    blocks, runs in every ReplaceMe case on all three), which keeps the default test run inside its 15
+    minutes."""
     return ARCHITECTURES[:1] if case.endswith("+refit") else ARCHITECTURES
 
 

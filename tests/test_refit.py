@@ -154,6 +154,34 @@ def test_a_recording_the_statistics_budget_cannot_hold_is_not_made_and_the_plan_
         assert torch.allclose(tight.model.state_dict()[name], value, atol=1e-6), name
 
 
+def test_drop_block_records_the_refit_stages_streams_in_its_own_pass(tmp_path):
+    """DROP's one pass runs the unedited model over every calibration token, so the refit stage records
+    the original streams there: no twin and no pass of their own, the same weights as with the twin (a
+    budget one byte short of the recording), and ``--dry-run`` counts each run's passes."""
+    from blockfold.plan import plan_for
+    from blockfold.runtime import Execution
+
+    folder, _ = tiny_folder_and_corpus(tmp_path)
+    calibration = random_calibration()
+    recipe = blockfold.DropBlock(blocks=2, refit="all")
+    roomy = blockfold.compress(str(folder), recipe=recipe, calibration=calibration)
+    assert roomy.manifest["refit"]["original_streams"] == "recorded in the first pass"
+    recording = roomy.manifest["selection"]["statistics"]["original_streams"]
+    assert recording["depths"] == 7  # every depth of the tiny Llama's 6 blocks
+    short = Execution(stats_memory=recording["bytes"] - 1)
+    tight = blockfold.compress(str(folder), recipe=recipe, calibration=calibration, execution=short)
+    assert tight.manifest["refit"]["original_streams"] == "a pass of their own"
+    assert "statistics budget" in tight.manifest["selection"]["statistics"]["original_streams"]["not_recorded"]
+    assert tight.manifest["execution"]["passes"] == roomy.manifest["execution"]["passes"] + 1
+    assert tight.manifest["removed_blocks"] == roomy.manifest["removed_blocks"]
+    for execution, result in ((Execution(), roomy), (short, tight)):
+        plan = plan_for(str(folder), Recipe.of(recipe).model_copy(update={"calibration": CalibrationConfig(
+            num_sequences=8, sequence_length=24)}), execution)
+        assert plan.numbers["passes"] == result.manifest["execution"]["passes"], plan.render()
+    for name, value in roomy.model.state_dict().items():
+        assert torch.allclose(tight.model.state_dict()[name], value, atol=1e-6), name
+
+
 def test_a_refit_on_fewer_tokens_than_its_projections_have_inputs_says_it_will_overfit(caplog):
     """A down-projection of 64 inputs fitted on 48 tokens fits the tokens, not the model (SLEB's own 1,024
     tokens did that to SmolLM2's 1,536-input projections): the run says so, naming the fix."""
@@ -587,6 +615,7 @@ def test_the_refit_stage_fits_to_the_stream_a_compensated_removal_left(monkeypat
                 "selection": {"criterion": "given", "score": 0.0}}
 
     monkeypatch.setitem(methods.METHODS, "drop-block", silenced_span_compensated)
+    monkeypatch.setattr(blockfold.DropBlock, "first_pass_records", False)  # the stand-in runs no pass to record in
     manifest, moved = _drop_silenced((2, 3), "down")
     gap, *later = manifest["refit"]["blocks"]
     assert gap["block"] == 1 and gap["stream_scale"] == pytest.approx(0.5, rel=1e-6)

@@ -146,6 +146,9 @@ class RefitStage(MethodSettings):
     #: True where the method's own surgery runs the refit (it records the streams before removing),
     #: False where the stage records them on an unedited twin of the model before the method runs
     refits_within: ClassVar[bool] = False
+    #: True where the method's first pass runs the unedited model over the whole calibration set and carries
+    #: ``job.streams``, so the stage records the original streams there instead of on a twin
+    first_pass_records: ClassVar[bool] = False
 
     refit: Literal["none", "down", "attn+down", "all"] | None = Field(
         None, description="projections refitted after removal")
@@ -315,6 +318,7 @@ class DropBlock(RefitStage, BlockBudget):
     runner: ClassVar[str] = "blockfold.methods.baselines:compress_drop_blocks"
     planner: ClassVar[str | None] = "blockfold.methods.baselines:plan_drop_blocks"
     runs_on_images: ClassVar[bool] = True
+    first_pass_records: ClassVar[bool] = True
 
 
 class SLEB(RefitStage, BlockBudget):

@@ -30,7 +30,8 @@ def compress_uidl(job: Job) -> dict:
 def compress_drop_blocks(job: Job) -> dict:
     count = job.settings.num_blocks(job.num_layers)
     statistics = SpanStatistics(job.num_layers, max_length=1)
-    job.run([statistics])
+    # job.streams: where the refit stage follows, it records the original streams in this pass
+    job.run([statistics], recorders=[job.streams] if job.streams is not None else [])
     cosine = statistics.finalize().cosine_all[: job.num_layers, 1]  # block i: cos(h[i], h[i+1])
     distances = {block: float(1.0 - cosine[block]) for block in range(job.num_layers)}
     blocks = sorted(sorted(distances, key=distances.get)[:count])

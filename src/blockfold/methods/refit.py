@@ -77,7 +77,7 @@ from blockfold.errors import BlockfoldError
 from blockfold.estimate.lstsq import solve_normal_equations
 from blockfold.methods.base import Job
 from blockfold.models.handle import ModelHandle
-from blockfold.pipelines import LayerProgram
+from blockfold.pipelines import LayerProgram, StreamRecorder
 from blockfold.pipelines.buffers import ActivationStore
 from blockfold.progress import bar
 from blockfold.stats.reconstruction import ProjectionEquations
@@ -101,10 +101,14 @@ class DownstreamRefit:
 
     def __init__(self, job: Job, spans: list[RemovedSpan], blocks: int, ridge: float, weighting: str = "none",
                  projections: str = "down", stream_scale: bool = False, sandwich_inputs: bool = False,
-                 original: ModelHandle | None = None, compensation: list[float] | None = None):
+                 original: ModelHandle | None = None, compensation: list[float] | None = None,
+                 recorded_only: bool = False):
         """``original``: an unedited twin to record the original streams on, for a refit entered after the
         removal (default: ``job.handle``, entered before it). ``compensation``: per span, the factor the
-        removal already divided the stream after it by (Prune&Comp's scales, cumulative; default 1)."""
+        removal already divided the stream after it by (Prune&Comp's scales, cumulative; default 1).
+        ``recorded_only``: entered after the removal with the original streams recorded by the method's
+        first pass and no twin, so a pass of its own would read the edited model (an error instead)."""
+        self.recorded_only = recorded_only
         self.job, self.blocks, self.ridge, self.weighting = job, blocks, ridge, weighting
         self.original = original if original is not None else job.handle
         self.projections, self.stream_scale, self.sandwich_inputs = projections, stream_scale, sandwich_inputs
@@ -151,6 +155,10 @@ class DownstreamRefit:
                                      self.job.runner.execution.offload_dir)
         try:
             if not self._read_recorded():
+                if self.recorded_only:
+                    raise BlockfoldError("the refit stage found the original streams the method's first pass "
+                                         "recorded incomplete, and the model has lost its blocks since: rerun "
+                                         "without --stats-cache and --resume, or report this as a bug")
                 self._record_original()
         except BaseException:
             self.store.close()
@@ -439,23 +447,75 @@ def removed_spans(blocks: list[int]) -> list[RemovedSpan]:
     return spans
 
 
+#: where a first pass keeps the stream the refit reads, by ``--offload`` (auto: beside the sums)
+RECORDING_PLACE = {"auto": "device", "none": "device", "cpu": "cpu", "disk": "disk"}
+
+
+def recording_bytes(depths: int, tokens: int, hidden_size: int, element: int) -> int:
+    """Bytes of the stream at ``depths`` depths for ``tokens`` real tokens."""
+    return depths * tokens * hidden_size * element
+
+
+def original_stream_recorder(job: Job, depths: set[int], room: int) -> StreamRecorder | None:
+    """A recorder of the original stream at ``depths`` for a method's first pass to carry, so the refit
+    after it reads the stream without a pass of its own: kept where ``--offload`` says (auto: on the
+    device), made where it takes at most ``room`` bytes, else None (the manifest says why)."""
+    shard, _ = distributed.shard(list(job.calibration), distributed.current())
+    needed = recording_bytes(len(depths), sum(int(batch.attention_mask.sum()) for batch in shard), job.hidden_size,
+                             job.handle.dtype.itemsize)
+    runner = job.runner
+    where = RECORDING_PLACE[runner.execution.offload]
+    job.notes["original_streams"] = {"depths": len(depths), "bytes": needed, "room": max(room, 0)}
+    if needed > room:
+        job.notes["original_streams"]["not_recorded"] = "more than the statistics budget leaves (--stats-memory)"
+        return None
+    try:
+        store = ActivationStore(where, job.handle.device, runner.execution.offload_dir, needed)
+    except BlockfoldError as error:  # a spill folder without room: the refit's own pass needs none of it
+        job.notes["original_streams"]["not_recorded"] = str(error)
+        return None
+    runner.offloaded.add(where)
+    job.notes["original_streams"]["kept"] = where
+    return StreamRecorder(depths, store)
+
+
+def _first_pass_may_record(job: Job) -> bool:
+    """Whether the method's first pass runs in full here, over the unedited model: a pass served by the
+    statistics cache or resumed from a checkpoint would leave a recording short, and by then the model
+    has lost its blocks (the refit could not read the original any more)."""
+    execution = job.runner.execution
+    return (getattr(job.settings, "first_pass_records", False) and job.cache is None
+            and execution.stats_cache is None and execution.resume_dir is None)
+
+
 def refit_after(job: Job, method) -> dict:
     """Run ``method`` (a function of the job that removes blocks and names them, in the original indices,
-    as ``removed_blocks``), then the downstream refit. The original streams are recorded on an unedited
-    twin of the model taken before the method runs, so the method needs to know nothing of the refit: a
-    streamed model's twin reads the same checkpoint, a resident model's is a copy (memory for a second
-    model, released once the streams are recorded)."""
-    twin = job.handle.fresh_copy()
-    if not twin.resident:  # a new skeleton: the adapter's rewrite applies to it too
-        twin.adapter.prepare(twin)
+    as ``removed_blocks``), then the downstream refit. The original streams come from the method's first
+    pass where it records them (``first_pass_records``: every depth, where they fit the statistics budget)
+    or else from an unedited twin of the model taken before the method runs, so the method needs to know
+    nothing of the refit: a streamed model's twin reads the same checkpoint, a resident model's is a copy
+    (memory for a second model, released once the streams are recorded)."""
+    job.streams = (original_stream_recorder(job, set(range(job.num_layers + 1)), job.runner.stats_budget())
+                   if _first_pass_may_record(job) else None)
+    twin = None
+    if job.streams is None:
+        twin = job.handle.fresh_copy()
+        if not twin.resident:  # a new skeleton: the adapter's rewrite applies to it too
+            twin.adapter.prepare(twin)
     details = method(job)
+    if "original_streams" in job.notes:  # the recording, where one was weighed: its size, or why it was not made
+        details.setdefault("selection", {}).setdefault("statistics", {})["original_streams"] = \
+            job.notes["original_streams"]
     spans = removed_spans(details["removed_blocks"])
     if not spans:
+        if job.streams is not None:
+            job.streams.close()
+            job.streams = None
         return details
     scales = (details.get("compensation") or {}).get("by_block", {})
     compensation = [math.prod(factor for block, factor in scales.items() if block < span.start + span.length)
                     for span in spans]
-    with DownstreamRefit.of(job, spans, original=twin, compensation=compensation) as refit:
+    with DownstreamRefit.of(job, spans, original=twin, compensation=compensation, recorded_only=twin is None) as refit:
         del twin
         details["refit"] = refit.apply()
     return details
@@ -479,10 +539,24 @@ def plan_refit_sums(context, plan) -> None:
 
 
 def plan_refit_after(context, plan) -> None:
-    """The refit stage after a method that does not run it itself (``refit_after``): two passes, its sums
-    and streams, and the twin the original streams are recorded on."""
-    plan.passes += 2
+    """The refit stage after a method that does not run it itself (``refit_after``): its pass, its sums and
+    streams, and the original streams: recorded in the method's first pass where it can and they fit,
+    else on a twin in a pass of their own."""
+    from blockfold.plan import gib
+
+    plan.passes += 1
     plan_refit_sums(context, plan)
+    if getattr(context.settings, "first_pass_records", False):
+        needed = recording_bytes(context.num_layers + 1, context.tokens, context.hidden_size, context.element)
+        room = context.budget  # as the run decides: the whole statistics budget, before the method's pass
+        if needed <= room:
+            plan.recorded = needed
+            plan.notes.append(f"refit stage: the original stream at every depth ({gib(needed)}) recorded in the "
+                              "method's pass, so no copy of the weights and no pass of its own")
+            return
+        plan.notes.append(f"refit stage: the original stream at every depth ({gib(needed)}) exceeds the "
+                          f"{gib(max(room, 0))} the budget leaves: recorded on a twin in a pass of its own")
+    plan.passes += 1
     if context.pipeline == "whole":
         plan.weight_copies += 1
         plan.notes.append("refit stage: an unedited copy of the weights until the original streams are recorded")

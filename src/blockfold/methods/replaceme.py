@@ -32,14 +32,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from blockfold import distributed
 from blockfold.estimate import fit_numerically, fit_span_map, linear_contribution, span_loss
 from blockfold.data import Batch, CalibrationSet
 from blockfold.errors import BlockfoldError
 from blockfold.methods.base import Job
-from blockfold.methods.refit import DownstreamRefit, RemovedSpan, plan_refit_sums
-from blockfold.pipelines import StreamRecorder
-from blockfold.pipelines.buffers import ActivationStore
+from blockfold.methods.refit import (DownstreamRefit, RemovedSpan, original_stream_recorder, plan_refit_sums,
+                                     recording_bytes)
 from blockfold.select import SpanChoice, best_span, best_spans, by_start, span_criteria, span_label, split_budget
 from blockfold.settings import ReplaceMe
 from blockfold.stats import NormalEquations, SpanRows, SpanSample, SpanStatistics, SpanTable
@@ -57,8 +55,6 @@ AUTO_HELD_OUT = 1 / 8
 _FIT_CRITERIA = frozenset({"fit_error", "fit_error_stream"})
 #: criteria that need the stream moments (CKA, CCA) in the pass
 _MOMENT_CRITERIA = frozenset({"cka", "cca"})
-#: where the first pass keeps the stream the refit reads, by ``--offload`` (auto: beside the sums)
-RECORDING_PLACE = {"auto": "device", "none": "device", "cpu": "cpu", "disk": "disk"}
 
 
 @dataclass
@@ -165,7 +161,9 @@ def _measure(job: Job, lengths: list[int], max_length: int, moments: bool, need_
         mode = "screened" if need_all else "none"  # without a fit criterion the chosen span is refitted alone
     first_mode = {"full": "full", "none": "none", "screened": "diagonal"}[mode]
     if record:  # in what the statistics budget leaves beside the sums (screening fills it by design)
-        job.streams = _stream_recorder(job, lengths, budget - {"full": full_bytes, "none": 0, "screened": budget}[mode])
+        job.streams = (original_stream_recorder(job, refit_depths(job.settings, num_layers, lengths),
+                                                budget - {"full": full_bytes, "none": 0, "screened": budget}[mode])
+                       if job.settings.refit != "none" else None)
     fits = [SpanStatistics(num_layers, max_length=max_length if i == 0 else 0, fit_length=length,
                            equations=first_mode, stream_weighted=weighted)
             for i, length in enumerate(lengths)]
@@ -188,39 +186,6 @@ def refit_depths(settings: ReplaceMe, num_layers: int, lengths: list[int]) -> se
         starts = [settings.span_start] if settings.span_start is not None else range(1, num_layers - length + 1)
         depths.update(depth for start in starts for depth in (start - 1, start + length))
     return depths
-
-
-def _stream_recorder(job: Job, lengths: list[int], room: int) -> StreamRecorder | None:
-    """Where the downstream refit follows, a recorder of the depths it may read, so the first pass serves
-    it too: kept where ``--offload`` says (auto: on the device), made where it takes at most ``room``
-    bytes; None where no refit follows or the recording would not fit (the refit then runs its own pass)."""
-    settings = job.settings
-    if settings.refit == "none":
-        return None
-    depths = refit_depths(settings, job.num_layers, lengths)
-    shard, _ = distributed.shard(list(job.calibration), distributed.current())
-    needed = recording_bytes(len(depths), sum(int(batch.attention_mask.sum()) for batch in shard), job.hidden_size,
-                             job.handle.dtype.itemsize)
-    runner = job.runner
-    where = RECORDING_PLACE[runner.execution.offload]
-    job.notes["original_streams"] = {"depths": len(depths), "bytes": needed, "room": max(room, 0)}
-    # where it cannot be made the refit reads the stream in a pass of its own: the manifest says why
-    if needed > room:
-        job.notes["original_streams"]["not_recorded"] = "more than the statistics budget leaves (--stats-memory)"
-        return None
-    try:
-        store = ActivationStore(where, job.handle.device, runner.execution.offload_dir, needed)
-    except BlockfoldError as error:  # a spill folder without room: the refit's own pass needs none of it
-        job.notes["original_streams"]["not_recorded"] = str(error)
-        return None
-    runner.offloaded.add(where)
-    job.notes["original_streams"]["kept"] = where
-    return StreamRecorder(depths, store)
-
-
-def recording_bytes(depths: int, tokens: int, hidden_size: int, element: int) -> int:
-    """Bytes of the stream at ``depths`` depths for ``tokens`` real tokens."""
-    return depths * tokens * hidden_size * element
 
 
 def _screen(job: Job, measured: SpanMeasurement, budget: int, criterion: str, weighted: bool) -> None:
