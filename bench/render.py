@@ -893,7 +893,7 @@ SECTIONS: dict[str, tuple[str | tuple[str, ...], Callable]] = {
                     render_new_methods),
     "refit-stage": (("new_methods.json", "refit_stage_8.json", "refit_stage_8b.json", "refit_stage_8c.json"),
                     render_refit_stage),
-    "one-pass": (("one_pass_before.json", "one_pass_after.json"), render_one_pass),
+    "one-pass": (("one_pass_before.json", "one_pass_after.json", "one_pass_after2.json"), render_one_pass),
     "block-forwards": (("block_forwards_before.json", "block_forwards_after.json"), render_block_forwards),
     "span-count": (("spans_auto_in_sample_12.json", "spans_auto_12.json", "spans_auto_8.json", "spans_auto_4.json",
                     "spans_auto_gemma_4.json", "spans_auto_12_v10.json"), render_span_count_search),
