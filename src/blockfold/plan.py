@@ -193,7 +193,7 @@ def plan_for(spec: str, recipe: Recipe, execution: Execution, accelerator_memory
     if isinstance(settings, RefitStage) and settings.refit != "none" and not settings.refits_within:
         from blockfold.methods.refit import plan_refit_after
 
-        plan_refit_after(context, method_plan)
+        plan_refit_after(context, method_plan, execution)
     passes, sums, notes = method_plan.passes, method_plan.sums, method_plan.notes
     forward_passes = method_plan.forward_passes
     observers, stats_flops_per_token = method_plan.observers, method_plan.stats_flops_per_token

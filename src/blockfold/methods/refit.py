@@ -538,15 +538,16 @@ def plan_refit_sums(context, plan) -> None:
                       f"streams kept for all calibration tokens ({gib(copies * context.tokens * d * context.element)})")
 
 
-def plan_refit_after(context, plan) -> None:
+def plan_refit_after(context, plan, execution) -> None:
     """The refit stage after a method that does not run it itself (``refit_after``): its pass, its sums and
-    streams, and the original streams: recorded in the method's first pass where it can and they fit,
-    else on a twin in a pass of their own."""
+    streams, and the original streams: recorded in the method's first pass where it can (the pass runs in
+    full: no statistics cache, no resume) and they fit, else on a twin in a pass of their own."""
     from blockfold.plan import gib
 
     plan.passes += 1
     plan_refit_sums(context, plan)
-    if getattr(context.settings, "first_pass_records", False):
+    if (getattr(context.settings, "first_pass_records", False) and execution.stats_cache is None
+            and execution.resume_dir is None):
         needed = recording_bytes(context.num_layers + 1, context.tokens, context.hidden_size, context.element)
         room = context.budget  # as the run decides: the whole statistics budget, before the method's pass
         if needed <= room:
