@@ -507,10 +507,7 @@ def refit_after(job: Job, method) -> dict:
         details.setdefault("selection", {}).setdefault("statistics", {})["original_streams"] = \
             job.notes["original_streams"]
     spans = removed_spans(details["removed_blocks"])
-    if not spans:
-        if job.streams is not None:
-            job.streams.close()
-            job.streams = None
+    if not spans:  # an unread recording is released by run_stages, as after every method
         return details
     scales = (details.get("compensation") or {}).get("by_block", {})
     compensation = [math.prod(factor for block, factor in scales.items() if block < span.start + span.length)
