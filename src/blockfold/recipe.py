@@ -63,6 +63,11 @@ class CalibrationConfig(Strict):
             raise ValueError(f"a mix of {len(parts)} sources needs at least {len(parts)} sequences (num_sequences)")
         return self
 
+    def share_of_first(self, count: int | None) -> float:
+        """The share of the calibration sequences that the first ``count`` are (all where None): what a
+        method that scores on a few sequences (``CalibrationSet.first_sequences``) runs, for its plan."""
+        return 1.0 if count is None else min(count, self.num_sequences) / self.num_sequences
+
 
 SELF_GENERATED = "self"
 

@@ -189,8 +189,8 @@ def plan_laco(context: PlanContext) -> MethodPlan:
     settings, num_layers, calibration = context.settings, context.num_layers, context.calibration
     n = settings.num_blocks(num_layers)
     rounds = math.ceil(n / (settings.merge_layers - 1))
-    share = min(settings.similarity_sequences, calibration.num_sequences) / calibration.num_sequences
-    streams = num_layers * settings.similarity_sequences * calibration.sequence_length * context.hidden_size * context.element
+    share = calibration.share_of_first(settings.similarity_sequences)
+    streams = num_layers * share * context.tokens * context.hidden_size * context.element
     return MethodPlan(passes=1 + rounds, extra_forward=share * (1 + rounds * (num_layers + 1) / 2) - 1 - rounds,
                       notes=[f"{rounds} round(s), each one stream per candidate merge over "
-                             f"{settings.similarity_sequences} sequences ({gib(streams)})"])
+                             f"{round(share * calibration.num_sequences)} sequences ({gib(streams)})"])

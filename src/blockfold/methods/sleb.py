@@ -81,8 +81,7 @@ def plan_sleb(context: PlanContext) -> MethodPlan:
     """SLEB's plan for ``--dry-run``: one step per removed block, each keeping a stream per candidate."""
     from blockfold.plan import MethodPlan, gib
 
-    calibration, scored = context.calibration, context.settings.score_sequences
-    share = 1.0 if scored is None else min(scored, calibration.num_sequences) / calibration.num_sequences
+    share = context.calibration.share_of_first(context.settings.score_sequences)
     streams = context.num_layers * share * context.tokens * context.hidden_size * context.element
     steps = context.settings.num_blocks(context.num_layers)
     # each sweep runs every candidate's stream through the blocks after it: about num_layers / 2 passes of
