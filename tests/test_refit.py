@@ -145,10 +145,17 @@ def test_a_recording_the_statistics_budget_cannot_hold_is_not_made_and_the_plan_
     assert tight.manifest["refit"]["original_streams"] == "a pass of their own"
     assert "statistics budget" in tight.manifest["selection"]["statistics"]["original_streams"]["not_recorded"]
     assert tight.manifest["execution"]["passes"] == roomy.manifest["execution"]["passes"] + 1
-    for recipe, execution, result in ((blockfold.ReplaceMe(blocks=2), Execution(), roomy),
-                                      (blockfold.ReplaceMe(blocks=2), short, tight)):
-        plan = plan_for(str(folder), Recipe.of(recipe).model_copy(update={"calibration": CalibrationConfig(
-            num_sequences=8, sequence_length=24)}), execution)
+    # a first pass the statistics cache serves records nothing: the refit reads the original in a pass of
+    # its own, which the plan counts wherever a cache is given
+    cache = Execution(stats_cache=str(tmp_path / "cache"))
+    blockfold.compress(str(folder), recipe=blockfold.ReplaceMe(blocks=2), calibration=calibration, execution=cache)
+    cached = blockfold.compress(str(folder), recipe=blockfold.ReplaceMe(blocks=2), calibration=calibration,
+                                execution=cache)
+    assert cached.manifest["execution"]["cached_passes"] >= 1
+    assert cached.manifest["refit"]["original_streams"] == "a pass of their own"
+    for execution, result in ((Execution(), roomy), (short, tight), (cache, cached)):
+        plan = plan_for(str(folder), Recipe.of(blockfold.ReplaceMe(blocks=2)).model_copy(update={
+            "calibration": CalibrationConfig(num_sequences=8, sequence_length=24)}), execution)
         assert plan.numbers["passes"] == result.manifest["execution"]["passes"], plan.render()
     for name, value in roomy.model.state_dict().items():
         assert torch.allclose(tight.model.state_dict()[name], value, atol=1e-6), name

@@ -33,7 +33,8 @@ HOST_TO_DEVICE = 25e9
 @dataclass
 class PlanContext:
     """What a method's planner is told: its settings and the model's shape, the calibration set, the
-    memory the float64 statistics may take (``budget``) and the pipeline that will run it."""
+    memory the float64 statistics may take (``budget``), the pipeline that will run it and the execution
+    settings (a statistics cache or a resume changes what a first pass can record)."""
 
     settings: MethodSettings
     adapter: object
@@ -45,6 +46,7 @@ class PlanContext:
     tokens: int
     budget: int
     pipeline: str
+    execution: Execution
 
 
 @dataclass
@@ -188,12 +190,13 @@ def plan_for(spec: str, recipe: Recipe, execution: Execution, accelerator_memory
     # -- the method's statistics: its planner, registered beside its function ----------------
     budget = execution.stats_memory or int(STATS_SHARE * max(memory - (weights if pipeline == "whole" else
                                                                         per_layer_params * element), 0))
-    context = PlanContext(settings, adapter, model, num_layers, d, element, calibration, tokens, budget, pipeline)
+    context = PlanContext(settings, adapter, model, num_layers, d, element, calibration, tokens, budget, pipeline,
+                          execution)
     method_plan = planner_of(type(settings))(context)
     if isinstance(settings, RefitStage) and settings.refit != "none" and not settings.refits_within:
         from blockfold.methods.refit import plan_refit_after
 
-        plan_refit_after(context, method_plan, execution)
+        plan_refit_after(context, method_plan)
     passes, sums, notes = method_plan.passes, method_plan.sums, method_plan.notes
     forward_passes = method_plan.forward_passes
     observers, stats_flops_per_token = method_plan.observers, method_plan.stats_flops_per_token
@@ -247,6 +250,6 @@ def plan_for(spec: str, recipe: Recipe, execution: Execution, accelerator_memory
                               f"(float32) and {rate64 / 1e9:.0f} GFLOP/s (float64)")
     plan.numbers = {"weights_bytes": weights, "per_layer_bytes": per_layer_params * element, "outside_bytes": outside,
                     "pipeline": pipeline, "tokens": tokens, "sums_bytes": sums, "budget_bytes": budget,
-                    "passes": passes, "chunks": chunks, "peak_bytes": peak, "forward_flops": forward,
+                    "passes": passes, "forward_passes": forward_passes, "chunks": chunks, "peak_bytes": peak, "forward_flops": forward,
                     "stats_flops": stats, "transfer_bytes": transfer}
     return plan

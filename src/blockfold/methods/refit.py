@@ -479,13 +479,17 @@ def original_stream_recorder(job: Job, depths: set[int], room: int) -> StreamRec
     return StreamRecorder(depths, store)
 
 
+def first_pass_runs_in_full(execution) -> bool:
+    """Whether a method's first pass surely runs the model over every batch: a pass served by the
+    statistics cache or resumed from a checkpoint leaves a recording made in it short."""
+    return execution.stats_cache is None and execution.resume_dir is None
+
+
 def _first_pass_may_record(job: Job) -> bool:
-    """Whether the method's first pass runs in full here, over the unedited model: a pass served by the
-    statistics cache or resumed from a checkpoint would leave a recording short, and by then the model
-    has lost its blocks (the refit could not read the original any more)."""
-    execution = job.runner.execution
+    """Whether the method's first pass records the refit stage's streams: where it runs in full, over the
+    unedited model (a short recording is fatal here: by then the model has lost its blocks)."""
     return (getattr(job.settings, "first_pass_records", False) and job.cache is None
-            and execution.stats_cache is None and execution.resume_dir is None)
+            and first_pass_runs_in_full(job.runner.execution))
 
 
 def refit_after(job: Job, method) -> dict:
@@ -535,7 +539,7 @@ def plan_refit_sums(context, plan) -> None:
                       f"streams kept for all calibration tokens ({gib(copies * context.tokens * d * context.element)})")
 
 
-def plan_refit_after(context, plan, execution) -> None:
+def plan_refit_after(context, plan) -> None:
     """The refit stage after a method that does not run it itself (``refit_after``): its pass, its sums and
     streams, and the original streams: recorded in the method's first pass where it can (the pass runs in
     full: no statistics cache, no resume) and they fit, else on a twin in a pass of their own."""
@@ -543,8 +547,7 @@ def plan_refit_after(context, plan, execution) -> None:
 
     plan.passes += 1
     plan_refit_sums(context, plan)
-    if (getattr(context.settings, "first_pass_records", False) and execution.stats_cache is None
-            and execution.resume_dir is None):
+    if getattr(context.settings, "first_pass_records", False) and first_pass_runs_in_full(context.execution):
         needed = recording_bytes(context.num_layers + 1, context.tokens, context.hidden_size, context.element)
         room = context.budget  # as the run decides: the whole statistics budget, before the method's pass
         if needed <= room:
@@ -609,4 +612,5 @@ def _captured(linear: nn.Linear):
         hook.remove()
 
 
-__all__ = ["DownstreamRefit", "RemovedSpan", "plan_refit_after", "plan_refit_sums", "refit_after", "removed_spans"]
+__all__ = ["DownstreamRefit", "RemovedSpan", "first_pass_runs_in_full", "plan_refit_after",
+           "plan_refit_sums", "refit_after", "removed_spans"]

@@ -36,8 +36,8 @@ from blockfold.estimate import fit_numerically, fit_span_map, linear_contributio
 from blockfold.data import Batch, CalibrationSet
 from blockfold.errors import BlockfoldError
 from blockfold.methods.base import Job
-from blockfold.methods.refit import (DownstreamRefit, RemovedSpan, original_stream_recorder, plan_refit_sums,
-                                     recording_bytes)
+from blockfold.methods.refit import (DownstreamRefit, RemovedSpan, first_pass_runs_in_full, original_stream_recorder,
+                                     plan_refit_sums, recording_bytes)
 from blockfold.select import SpanChoice, best_span, best_spans, by_start, span_criteria, span_label, split_budget
 from blockfold.settings import ReplaceMe
 from blockfold.stats import NormalEquations, SpanRows, SpanSample, SpanStatistics, SpanTable
@@ -636,11 +636,14 @@ def plan_span_removal(context: PlanContext) -> MethodPlan:
         depths = refit_depths(settings, num_layers, lengths)
         needed = recording_bytes(len(depths), context.tokens, d, context.element)
         room = context.budget - (context.budget if screened else plan.sums)  # screening fills the budget
-        recorded = int(needed <= room)
-        plan.recorded = needed if recorded else 0
-        plan.notes.append(f"refit: the original stream at {len(depths)} depths ({gib(needed)}) "
-                          + ("recorded in the first pass, so the refit runs no pass of its own to read it" if recorded
-                             else f"exceeds the {gib(max(room, 0))} the budget leaves: the refit reads it in a pass of its own"))
+        plan.recorded = needed if needed <= room else 0
+        # a first pass served by the statistics cache or resumed records nothing: the refit's own pass then
+        recorded = int(needed <= room and first_pass_runs_in_full(context.execution))
+        plan.notes.append(f"refit: the original stream at {len(depths)} depths ({gib(needed)}) " + (
+            "recorded in the first pass, so the refit runs no pass of its own to read it" if recorded else
+            f"exceeds the {gib(max(room, 0))} the budget leaves: the refit reads it in a pass of its own"
+            if not plan.recorded else "recorded in the first pass where it runs in full; a pass of its own is "
+            "counted, as a statistics cache or a resume may serve that pass"))
     plan.passes += (build[counts[0]] if len(counts) == 1 else sum(b + 1 for b in build.values()) + max(build.values())) \
         - recorded
     if refit:
