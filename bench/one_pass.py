@@ -2,7 +2,7 @@
 set, measured in one process: a plain forward of every calibration batch through the model (no hooks,
 no statistics; timed after a warm-up, before and after the compress, and averaged), then the compress
 of a copy with hooks counting the token positions every decoder block runs (block forwards, in passes
-of the calibration set through every block: machine-independent).
+of the calibration set through every block: machine-independent), beside what ``--dry-run`` plans for it.
 
     .venv/bin/python bench/one_pass.py --model smollm2-135m --blocks 8 --json out.json
     .venv/bin/python bench/one_pass.py --methods all --num-seqs 4 --seq-len 128 --no-timing --json counts.json
@@ -28,7 +28,9 @@ import blockfold
 from blockfold.api import provenance
 from blockfold.data import build_calibration
 from blockfold.jsonfile import write_json
+from blockfold.plan import plan_for
 from blockfold.recipe import CalibrationConfig, Recipe
+from blockfold.runtime import Execution
 from blockfold.settings import SETTINGS
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -58,30 +60,32 @@ def main() -> None:
     args = parser.parse_args()
     specs = [name for spec in args.methods.split(",") for name in (SETTINGS if spec == "all" else [spec])]
     loaded = blockfold.load_model(args.model)
-    calibration = build_calibration(CalibrationConfig(source=str(DATA / "c4_demo.jsonl"),
-                                                      max_documents=CALIBRATION_DOCUMENTS, num_sequences=args.num_seqs,
-                                                      sequence_length=args.seq_len), loaded.tokenizer)
+    calibration_config = CalibrationConfig(source=str(DATA / "c4_demo.jsonl"), max_documents=CALIBRATION_DOCUMENTS,
+                                           num_sequences=args.num_seqs, sequence_length=args.seq_len)
+    calibration = build_calibration(calibration_config, loaded.tokenizer)
     tokens = sum(batch.input_ids.numel() for batch in calibration)
     num_layers = loaded.model.config.num_hidden_layers
     plain_forward_seconds(loaded.model, list(calibration)[:1])  # warm-up
     results = {"provenance": provenance(["bench/one_pass.py", *sys.argv[1:]]), "model": args.model,
                "blocks": args.blocks, "calibration": calibration.description, "rows": []}
     for spec in specs:
+        method, settings = parse_method(spec)
+        budget = {"attention_layers": args.blocks} if "attention_layers" in SETTINGS[method].model_fields else \
+            {"blocks": args.blocks}
+        recipe = Recipe.parse({"method": method, **budget, **settings, "calibration": calibration_config.model_dump()})
+        planned = plan_for(args.model, recipe, Execution()).numbers.get("forward_passes")
         before = None if args.no_timing else plain_forward_seconds(loaded.model, calibration)
         model = copy.deepcopy(loaded.model)
         counted = count_block_tokens(model)
-        method, settings = parse_method(spec)
         started = time.perf_counter()
-        budget = {"attention_layers": args.blocks} if "attention_layers" in SETTINGS[method].model_fields else \
-            {"blocks": args.blocks}
-        result = blockfold.compress(model, loaded.tokenizer, Recipe.parse({"method": method, **budget, **settings}),
-                                    calibration=calibration)
+        result = blockfold.compress(model, loaded.tokenizer, recipe, calibration=calibration)
         seconds = time.perf_counter() - started
         after = None if args.no_timing else plain_forward_seconds(loaded.model, calibration)
         row = {"method": spec, "removed_blocks": result.manifest["removed_blocks"], "compress_seconds": seconds,
                "plain_forward_seconds": None if args.no_timing else [before, after],
                "compress_in_plain_forwards": None if args.no_timing else seconds / ((before + after) / 2),
-               "block_forwards": counted[0] / (tokens * num_layers), "passes": result.manifest["execution"]["passes"],
+               "block_forwards": counted[0] / (tokens * num_layers), "planned_block_forwards": planned,
+               "passes": result.manifest["execution"]["passes"],
                "refit_original_streams": (result.manifest.get("refit") or {}).get("original_streams"),
                "weights": {name: float(value.double().abs().sum()) for name, value in model.state_dict().items()}}
         results["rows"].append(row)

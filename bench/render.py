@@ -718,18 +718,25 @@ def render_one_pass(parts: list[dict]) -> str:
 
 def render_block_forwards(parts: list[dict]) -> str:
     """Issue #46: every method's default (and the variants that re-run the model) in block forwards, per
-    code version side by side; a row whose blocks differ between versions says so."""
-    versions = [(results["provenance"]["commit"].split("+")[0][:7], {row["method"]: row for row in results["rows"]})
-                for results in parts]
-    header = " → ".join(f"`{commit}`" for commit, _ in versions)
-    lines = [f"| method | removed blocks | passes ({header}) | block forwards ({header}) |", "|---|---|---|---|"]
-    for method in dict.fromkeys(name for _, rows in versions for name in rows):
-        present = [rows[method] for _, rows in versions if method in rows]
+    code version side by side (runs of one version merge), and what the last version's ``--dry-run``
+    plans; a row whose blocks differ between versions says so."""
+    versions: dict[str, dict] = {}
+    for results in parts:
+        versions.setdefault(results["provenance"]["commit"].split("+")[0][:7], {}).update(
+            {row["method"]: row for row in results["rows"]})
+    header = " → ".join(f"`{commit}`" for commit in versions)
+    last = list(versions.values())[-1]
+    lines = [f"| method | removed blocks | passes ({header}) | block forwards ({header}) | planned by `--dry-run` |",
+             "|---|---|---|---|---|"]
+    for method in dict.fromkeys(name for rows in versions.values() for name in rows):
+        present = [rows[method] for rows in versions.values() if method in rows]
         blocks = {_span(row["removed_blocks"]) for row in present}
+        planned = last.get(method, {}).get("planned_block_forwards")
         lines.append(f"| {method} | {' / '.join(sorted(blocks)) if len(blocks) > 1 else blocks.pop()} | "
-                     + " → ".join(str(rows[method]["passes"]) if method in rows else "-" for _, rows in versions) + " | "
-                     + " → ".join(f"{rows[method]['block_forwards']:.2f}" if method in rows else "-"
-                                  for _, rows in versions) + " |")
+                     + " → ".join(str(rows[method]["passes"]) if method in rows else "-" for rows in versions.values())
+                     + " | " + " → ".join(f"{rows[method]['block_forwards']:.2f}" if method in rows else "-"
+                                          for rows in versions.values())
+                     + f" | {'-' if planned is None else f'{planned:.2f}'} |")
     return "\n".join([*lines, "", *_footer(parts)])
 
 
@@ -895,7 +902,8 @@ SECTIONS: dict[str, tuple[str | tuple[str, ...], Callable]] = {
                      "refit_stage_sleb_8.json"),
                     render_refit_stage),
     "one-pass": (("one_pass_before.json", "one_pass_after.json", "one_pass_after2.json"), render_one_pass),
-    "block-forwards": (("block_forwards_before.json", "block_forwards_after.json"), render_block_forwards),
+    "block-forwards": (("block_forwards_before.json", "block_forwards_before_part2.json", "block_forwards_after.json"),
+                       render_block_forwards),
     "span-count": (("spans_auto_in_sample_12.json", "spans_auto_12.json", "spans_auto_8.json", "spans_auto_4.json",
                     "spans_auto_gemma_4.json", "spans_auto_12_v10.json"), render_span_count_search),
     "selection": (("selection_smollm2_c4.json", "selection_gemma_c4.json", "selection_compare_c4.json"),

@@ -262,17 +262,22 @@ def test_block_forwards_sets_each_versions_count_side_by_side(render):
     def results(commit: str, rows: list[dict]) -> dict:
         return {"provenance": PROVENANCE | {"commit": commit}, "rows": rows}
 
-    def row(method: str, forwards: float, passes: int, blocks: list[int]) -> dict:
-        return {"method": method, "block_forwards": forwards, "passes": passes, "removed_blocks": blocks}
+    def row(method: str, forwards: float, passes: int, blocks: list[int], planned: float | None = None) -> dict:
+        return {"method": method, "block_forwards": forwards, "passes": passes, "removed_blocks": blocks,
+                **({} if planned is None else {"planned_block_forwards": planned})}
 
     text = render.render_block_forwards([
         results("aaaaaaa1", [row("replaceme", 2.13, 3, [4, 5]), row("sleb", 5.0, 2, [1])]),
-        results("bbbbbbb2", [row("replaceme", 1.25, 2, [4, 5]), row("sleb", 5.0, 2, [2]), row("laco", 1.5, 2, [])]),
+        results("aaaaaaa1", [row("uidl", 1.0, 1, [3])]),  # a second run of the same version adds its rows
+        results("bbbbbbb2", [row("replaceme", 1.25, 2, [4, 5], planned=2.0), row("sleb", 5.0, 2, [2]),
+                             row("laco", 1.5, 2, [], planned=1.5)]),
     ])
-    assert "| method | removed blocks | passes (`aaaaaaa` → `bbbbbbb`) | block forwards (`aaaaaaa` → `bbbbbbb`) |" in text
-    assert "| replaceme | 4-5 | 3 → 2 | 2.13 → 1.25 |" in text
-    assert "| sleb | 1 / 2 | 2 → 2 | 5.00 → 5.00 |" in text
-    assert "| laco | - | - → 2 | - → 1.50 |" in text
+    assert ("| method | removed blocks | passes (`aaaaaaa` → `bbbbbbb`) | block forwards (`aaaaaaa` → `bbbbbbb`) "
+            "| planned by `--dry-run` |") in text
+    assert "| replaceme | 4-5 | 3 → 2 | 2.13 → 1.25 | 2.00 |" in text
+    assert "| sleb | 1 / 2 | 2 → 2 | 5.00 → 5.00 | - |" in text
+    assert "| uidl | 3 | 1 → - | 1.00 → - | - |" in text
+    assert "| laco | - | - → 2 | - → 1.50 | 1.50 |" in text
 
 
 def test_vision_section_gives_each_methods_agreement_and_knn_accuracy(render):
