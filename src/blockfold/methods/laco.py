@@ -180,17 +180,22 @@ def compress_laco(job: Job) -> dict:
 
 
 def plan_laco(context: PlanContext) -> MethodPlan:
-    """LaCo's plan for ``--dry-run``: per merge round, one stream per candidate merge over its few sequences
-    (about num_layers²/2 block runs), in units of passes over the whole calibration set."""
+    """LaCo's plan for ``--dry-run``: the reference pass, then per merge round one stream per candidate
+    merge over its few sequences, in units of passes over the whole calibration set."""
     import math
 
     from blockfold.plan import MethodPlan, gib
 
     settings, num_layers, calibration = context.settings, context.num_layers, context.calibration
-    n = settings.num_blocks(num_layers)
-    rounds = math.ceil(n / (settings.merge_layers - 1))
+    remaining, layers, runs = settings.num_blocks(num_layers), num_layers, 0.0
+    rounds = math.ceil(remaining / (settings.merge_layers - 1))
+    while remaining:  # as compress_laco's rounds: C candidates, each its merged block and the blocks after it
+        merged = min(settings.merge_layers - 1, remaining)
+        candidates = layers - merged
+        runs += (candidates - 1) + candidates * (candidates - 1) / 2 + candidates
+        layers, remaining = layers - merged, remaining - merged
     share = calibration.share_of_first(settings.similarity_sequences)
     streams = num_layers * share * context.tokens * context.hidden_size * context.element
-    return MethodPlan(passes=1 + rounds, extra_forward=share * (1 + rounds * (num_layers + 1) / 2) - 1 - rounds,
+    return MethodPlan(passes=1 + rounds, extra_forward=share * (1 + runs / num_layers) - 1 - rounds,
                       notes=[f"{rounds} round(s), each one stream per candidate merge over "
                              f"{round(share * calibration.num_sequences)} sequences ({gib(streams)})"])

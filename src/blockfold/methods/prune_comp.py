@@ -96,6 +96,8 @@ def plan_prune_comp(context: PlanContext) -> MethodPlan:
     note = "distances and per-channel magnitudes, one pass per removed block" + (
         f" after one stream per candidate block ({gib(num_layers * context.tokens * context.hidden_size * context.element)})"
         if perplexity else "")
-    return MethodPlan(passes=2 * n if perplexity else n, notes=[note],
-                      extra_forward=n * ((num_layers + 1) / 2 - 1) if perplexity else 0.0,
+    # step s runs its pass over the L - s blocks left (and, by perplexity, SLEB's streams over them first)
+    runs = sum((num_layers - step) * (1 + ((num_layers - step + 1) / 2 if perplexity else 0)) for step in range(n))
+    passes = 2 * n if perplexity else n
+    return MethodPlan(passes=passes, notes=[note], extra_forward=runs / num_layers - passes,
                       observers=[SpanStatistics(num_layers, 1), StreamMagnitude(num_layers)])

@@ -84,8 +84,9 @@ def plan_sleb(context: PlanContext) -> MethodPlan:
     share = context.calibration.share_of_first(context.settings.score_sequences)
     streams = context.num_layers * share * context.tokens * context.hidden_size * context.element
     steps = context.settings.num_blocks(context.num_layers)
-    # each sweep runs every candidate's stream through the blocks after it: about num_layers / 2 passes of
-    # work over the sequences it scores on
-    return MethodPlan(passes=steps, extra_forward=steps * (share * (context.num_layers + 1) / 2 - 1),
+    # a step over L blocks runs the unskipped stream through all L and the stream skipping block b through
+    # the L - 1 - b after it: L (L + 1) / 2 block runs, over the sequences it scores on
+    runs = sum((context.num_layers - step) * (context.num_layers - step + 1) / 2 for step in range(steps))
+    return MethodPlan(passes=steps, extra_forward=share * runs / context.num_layers - steps,
                       notes=[f"one stream per candidate block: {gib(streams)} of hidden states (use a small "
                              "calibration set, or score_sequences)"])
