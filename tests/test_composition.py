@@ -52,6 +52,7 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "replaceme-mid": ("replaceme", {"span_start": 2}),  # the default refit runs blocks after the span
     "replaceme-spans2": ("replaceme", {"spans": 2}),
     "replaceme-greedy": ("replaceme", {"greedy": True}),
+    "replaceme-shortlist": ("replaceme", {"shortlist": 2}),  # a sweep with a stream per candidate span
     "replaceme+heal": ("replaceme", {}),
     "laco": ("laco", {"merge_layers": 2}),
     "streamline": ("streamline", {"train_steps": 2}),
@@ -442,3 +443,33 @@ def test_the_dry_run_plans_the_passes_the_run_makes(workspace, case, arch):
         return
     plan = plan_for(str(workspace.model(arch)), recipe, Execution())
     assert plan.numbers["passes"] == expected.manifest["execution"]["passes"], plan.render()
+
+
+#: cases whose forward work the plan knows exactly (the refit stage's is counted as one pass, which it
+#: is not: it runs both streams through the blocks it refits, some several times, behind a cut the plan
+#: cannot know before the selection)
+EXACT_FORWARDS = ["uidl", "nbl", "nbl-block", "drop-attn", "drop-block", "sleb", "prune-comp", "laco"]
+
+
+@pytest.mark.parametrize("case", EXACT_FORWARDS)
+def test_the_dry_run_plans_the_block_forwards_the_run_makes(workspace, case):
+    """``--dry-run``'s forward work (in passes of the calibration set through every block) is the token
+    positions the plain run's blocks, and any copy of one, are run on."""
+    from blockfold.plan import plan_for
+
+    recipe = blockfold.Recipe.parse(workspace.recipe(case))
+    folder = workspace.model("llama")
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    counted = [0]
+
+    def count(module, args, kwargs):
+        hidden = args[0] if args else kwargs["hidden_states"]
+        counted[0] += hidden.shape[0] * hidden.shape[1] if hidden.dim() == 3 else hidden.shape[0]
+
+    layers = blockfold.adapters.get_adapter(model).layers(model)
+    for layer in layers:
+        layer.register_forward_pre_hook(count, with_kwargs=True)
+    blockfold.compress(model, tiny_tokenizer(), recipe)
+    plan = plan_for(str(folder), recipe, Execution())
+    assert plan.numbers["forward_passes"] == pytest.approx(counted[0] / (plan.numbers["tokens"] * len(layers)),
+                                                           rel=1e-9), plan.render()

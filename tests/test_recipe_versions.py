@@ -34,7 +34,7 @@ def _nested_keys(model_class, values: dict) -> set[str]:
 
 #: settings added after blockfold 0.2.0 saved these recipes, each with the value that does what 0.2.0
 #: did (docs/design.md, "Recipes and versions"): a saved recipe lacks them and replays with that value
-ADDED_SINCE_SAVED = {"sleb": {"score_sequences": None}}
+ADDED_SINCE_SAVED = {"sleb": {"score_sequences": None}, "replaceme": {"shortlist": 1}}
 
 
 def test_every_method_has_a_recipe_saved_by_an_earlier_blockfold():

@@ -506,6 +506,72 @@ def test_spans_auto_on_a_streamed_model_equals_the_resident_one(tmp_path):
         assert math.isclose(entry["mean_nll"], sequential["candidates"][count]["mean_nll"], rel_tol=1e-4)
 
 
+def test_spans_apart_are_the_criterions_best_at_different_depths():
+    from blockfold.select import spans_apart
+
+    scores = np.full((7, 3), np.nan)
+    scores[1:6, 2] = [0.1, 0.2, 0.5, 0.3, 0.9]  # spans of 2 starting at 1..5 of a 7-block model
+    kept = spans_apart(scores, 2, "fit_error", 3)
+    assert [c.start for c in kept] == [1, 4]  # 2 and 3 overlap 1, 5 overlaps 4: nothing else fits apart
+    assert [c.score for c in kept] == [0.1, 0.3]
+    assert [c.start for c in spans_apart(scores, 2, "fit_error", 1)] == [1]
+
+
+@pytest.mark.parametrize("settings", [
+    {"blocks": 2, "refit": "none"},
+    {"blocks": 1, "estimator": "diagonal", "span_scoring": "estimator", "refit": "none"},
+    {"blocks": 2, "estimator": "identity", "criterion": "angular_last"},
+], ids=["lstsq", "diagonal", "plain-removal"])
+def test_shortlist_scores_each_span_as_the_model_with_its_map_fitted_without_the_held_out_sequences(settings):
+    """Each shortlisted span's held-out loss is the loss of the model actually built with that span and
+    its map fitted on the other sequences alone (the first pass's sums less the held-out ones); the
+    span with the lowest is compressed in place, on every sequence, as ``span_start`` builds it."""
+    from blockfold.data import CalibrationSet
+    from blockfold.eval.perplexity import summed_nll
+    from blockfold.methods.replaceme import _hold_out
+
+    tokenizer = tiny_tokenizer()
+    calibration = random_calibration(num_sequences=16)
+    fitting, held_out = _hold_out(calibration)
+    fitting = CalibrationSet(list(fitting.batches), fitting.description)
+    model = tiny_model("llama")
+    result = blockfold.compress(model, tokenizer, {**settings, "shortlist": 3}, calibration=calibration)
+    shortlist = result.manifest["selection"]["shortlist"]
+    entries = shortlist["candidates"]
+    assert len(entries) >= 2
+    starts = [entry["start"] for entry in entries.values()]
+    blocks = settings["blocks"]
+    assert all(abs(a - b) >= blocks for i, a in enumerate(starts) for b in starts[i + 1:])
+    assert [entry["score"] for entry in entries.values()] == sorted(entry["score"] for entry in entries.values())
+    total, tokens = summed_nll(tiny_model("llama"), held_out)
+    assert math.isclose(shortlist["original_mean_nll"], total / tokens, rel_tol=1e-5)
+    for label, entry in entries.items():
+        built = tiny_model("llama")
+        blockfold.compress(built, tokenizer, {**settings, "span_start": entry["start"], "span_scoring": "lstsq"}
+                           if "span_scoring" not in settings else {**settings, "span_start": entry["start"]},
+                           calibration=fitting)
+        total, tokens = summed_nll(built, held_out)
+        assert math.isclose(entry["mean_nll"], total / tokens, rel_tol=1e-4), label
+    chosen = shortlist["chosen"]
+    assert chosen == min(entries, key=lambda label: entries[label]["mean_nll"])
+    assert result.manifest["removed_blocks"] == list(range(entries[chosen]["start"], entries[chosen]["start"] + blocks))
+    fixed = tiny_model("llama")
+    blockfold.compress(fixed, tokenizer, {**settings, "span_start": entries[chosen]["start"]}, calibration=calibration)
+    for (name, value), (_, expected) in zip(model.state_dict().items(), fixed.state_dict().items()):
+        assert torch.equal(value, expected), name
+
+
+def test_shortlist_refuses_what_already_picks_several_spans_or_compares():
+    for conflicting in ({"spans": 2}, {"spans": "auto"}, {"greedy": True, "refit": "none"}, {"span_start": 2},
+                        {"span_scoring": "compare"}):
+        with pytest.raises(BlockfoldError, match="shortlist"):
+            Recipe.parse({"blocks": 2, "shortlist": 3, **conflicting})
+    assert Recipe.parse({"blocks": 2, "shortlist": 3}).settings.span_scoring == "lstsq"
+    with pytest.raises(BlockfoldError, match="--shortlist scores each span.*drop --shortlist"):
+        blockfold.compress(tiny_model("llama"), tiny_tokenizer(), {"blocks": 2, "shortlist": 2},
+                           calibration=random_calibration(num_sequences=1, batch_size=1))
+
+
 def test_summed_nll_scores_padded_batches_as_their_sequences_alone():
     """Calibration batches are padded when their texts are short: the padded batch's loss is the sum of
     each sequence's loss on its own, on a resident and a streamed model alike."""

@@ -203,6 +203,7 @@ class ReplaceMe(RefitStage, SpanSelection):
         "lstsq", description="the span's map (identity: none)")
     span_scoring: Literal["lstsq", "estimator", "compare"] | None = Field(
         None, description="which map scores spans (compare: build both)")
+    shortlist: int = Field(1, ge=1, description="the N best spans apart, kept by held-out loss")
     rank: int | None = Field(None, ge=1, description="lowrank: rank of the correction")
     ridge_alpha: float = Field(0.0, ge=0, description="L2 penalty of the fit, per token")
     sandwich_fold: Literal["auto", "compare", "linearized-norm", "through-norm"] = Field(
@@ -230,8 +231,15 @@ class ReplaceMe(RefitStage, SpanSelection):
             raise ValueError(f"rank (--rank) applies to the lowrank estimator only, not {self.estimator!r}")
         if self.greedy and (self.spans != 1 or self.span_start is not None):
             raise ValueError("greedy (--greedy) cannot be combined with spans or span_start: choose one selection")
+        if self.shortlist > 1 and (self.greedy or self.spans != 1 or self.span_start is not None):
+            raise ValueError("shortlist (--shortlist) compares single spans chosen by the criterion, so it cannot "
+                             "be combined with spans, greedy or span_start: drop one of them")
+        if self.shortlist > 1 and self.span_scoring == "compare":
+            raise ValueError("shortlist (--shortlist) and span_scoring compare (--span-scoring compare) both keep a "
+                             "span by held-out loss: use --span-scoring lstsq or estimator with --shortlist")
         if self.span_scoring is None:
-            self._resolve("span_scoring", "compare" if self.spans == 1 and not self.greedy else "lstsq")
+            self._resolve("span_scoring", "compare" if self.spans == 1 and not self.greedy and self.shortlist == 1
+                          else "lstsq")
         if self.span_scoring == "compare" and (self.greedy or self.spans != 1):
             raise ValueError("span_scoring compare (--span-scoring compare) builds the single span each scoring "
                              "picks, so it cannot pick several spans or greedy rounds: use --span-scoring lstsq "
@@ -327,8 +335,8 @@ class SLEB(RefitStage, BlockBudget):
     method: ClassVar[str] = "sleb"
     runner: ClassVar[str] = "blockfold.methods.sleb:compress_sleb"
     planner: ClassVar[str | None] = "blockfold.methods.sleb:plan_sleb"
-    score_sequences: int | None = Field(None, ge=1, description="score on the first N calibration sequences "
-                                                                "(default: all; the refit still fits on all)")
+    score_sequences: int | None = Field(None, ge=1, description="score on the first N sequences "
+                                                                "(default: all; the refit fits on all)")
 
 
 class PruneComp(RefitStage, BlockBudget):

@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from blockfold.estimate import fit_numerically, fit_span_map, linear_contribution, span_loss
@@ -38,7 +39,8 @@ from blockfold.errors import BlockfoldError
 from blockfold.methods.base import Job
 from blockfold.methods.refit import (DownstreamRefit, RemovedSpan, first_pass_runs_in_full, original_stream_recorder,
                                      plan_refit_sums, recording_bytes)
-from blockfold.select import SpanChoice, best_span, best_spans, by_start, span_criteria, span_label, split_budget
+from blockfold.select import (SpanChoice, best_span, best_spans, by_start, span_criteria, span_label, spans_apart,
+                              split_budget)
 from blockfold.settings import ReplaceMe
 from blockfold.stats import NormalEquations, SpanRows, SpanSample, SpanStatistics, SpanTable
 from blockfold.stats.similarity import StreamMoments, StreamSimilarity
@@ -386,6 +388,9 @@ def compress_replaceme(job: Job) -> dict:
               else best_spans(scores[criterion], split_budget(budget, count), criterion) for count in counts}
     search = _compare_span_counts(job, shapes) if len(counts) > 1 else None
     count = search["chosen"] if search is not None else counts[0]
+    shortlist = _shortlist(job, scores[criterion], first_pass[budget], budget) if settings.shortlist > 1 else None
+    if shortlist is not None:
+        shapes[count] = [shortlist.pop("choice")]
     choices = shapes[count]
     scoring_comparison = None
     # the lstsq and cosine estimators score with the lstsq map itself: nothing to compare, no second scoring
@@ -423,6 +428,8 @@ def compress_replaceme(job: Job) -> dict:
         selection["span_count_search"] = search
     if scoring_comparison is not None:
         selection["span_scoring_comparison"] = scoring_comparison
+    if shortlist is not None:
+        selection["shortlist"] = shortlist
     if len(counts) > 1 or count > 1:
         selection["scores_per_length"] = {str(length): {name: by_start(values, length) for name, values in scores.items()}
                                           for length in lengths}
@@ -454,6 +461,40 @@ def _replace_spans(job: Job, choices: list[SpanChoice], first_pass: dict) -> tup
             removed_so_far += choice.length
         refitted = refit.apply() if refit is not None else None
     return replaced, refitted
+
+
+def _shortlist(job: Job, scores, equations: dict[int, NormalEquations], length: int) -> dict:
+    """``shortlist``: the criterion's best spans apart (those whose map the first pass can fit), kept by
+    the held-out loss of the model with each replaced by its scoring map (``methods.shortlist``); the
+    result names the kept ``choice``."""
+    from blockfold.methods.shortlist import held_out_sums, shortlist_losses
+
+    settings: ReplaceMe = job.settings
+    scoring_map = _shortlist_map(settings)
+    if scoring_map is not None:  # a screened pass kept full sums for its best starts only
+        scores = scores.copy()
+        for start in range(scores.shape[0]):
+            if equations.get(start) is None or equations[start].xtx is None:
+                scores[start, length] = math.nan
+        if not np.isfinite(scores[:, length]).any():
+            raise BlockfoldError("--shortlist fits each candidate's map from the first pass's sums, which the "
+                                 "statistics budget did not hold: raise --stats-memory, or drop --shortlist")
+    candidates = spans_apart(scores, length, settings.criterion, settings.shortlist)
+    _, held_out = _hold_out(job.calibration, "--shortlist scores each span", "drop --shortlist")
+    held = held_out_sums(job, held_out, candidates) if scoring_map is not None else {}
+    maps = {c.start: None if scoring_map is None else scoring_map(equations[c.start].less(held[c.start]))
+            for c in candidates}
+    result = shortlist_losses(job, candidates, held_out, maps)
+    for label, entry in result["candidates"].items():
+        logger.info("shortlist %s: held-out calibration loss %.4f", label, entry["mean_nll"])
+    result["choice"] = next(c for c in candidates if span_label(c.blocks) == result["chosen"])
+    return result
+
+
+def _shortlist_map(settings: ReplaceMe):
+    """The map a shortlisted span is replaced by: the one that scored it (a fit criterion), else the
+    one that would be folded (None: plain removal)."""
+    return _scoring_map(settings) if settings.criterion in _FIT_CRITERIA else _own_map(settings)
 
 
 def _compare_span_counts(job: Job, shapes: dict[int, list[SpanChoice]]) -> dict:
@@ -509,16 +550,16 @@ def _compare_builds(job: Job, shapes: dict, describe: Callable[[object], str]) -
             "candidate_passes": sum(entry["passes"] for entry in built.values())}
 
 
-def _hold_out(calibration: CalibrationSet) -> tuple[CalibrationSet, list[Batch]]:
+def _hold_out(calibration: CalibrationSet, purpose: str = "--spans auto scores each span count",
+              instead: str = "give --spans a number") -> tuple[CalibrationSet, list[Batch]]:
     """The calibration set without its last eighth of sequences (at least one), and those sequences:
     whole batches where there are several, else rows of the one batch."""
     batches = list(calibration.batches)
     if len(batches) == 1:
         batch = batches[0]
         if len(batch) < 2:
-            raise BlockfoldError("--spans auto scores each span count on calibration sequences its maps were not "
-                                 "fitted on, and one sequence leaves none: calibrate on more (--num-seqs), or give "
-                                 "--spans a number")
+            raise BlockfoldError(f"{purpose} on calibration sequences its maps were not fitted on, and one "
+                                 f"sequence leaves none: calibrate on more (--num-seqs), or {instead}")
         held = max(1, round(len(batch) * AUTO_HELD_OUT))
         batches = [Batch(batch.input_ids[:-held], batch.attention_mask[:-held]),
                    Batch(batch.input_ids[-held:], batch.attention_mask[-held:])]
@@ -648,6 +689,14 @@ def plan_span_removal(context: PlanContext) -> MethodPlan:
         - recorded
     if refit:
         plan_refit_sums(context, plan)
+    if getattr(settings, "shortlist", 1) > 1:
+        # the held-out sums (a pass over an eighth of the sequences, where there is a map to fit) and one
+        # sweep of those carrying a stream per candidate from its span's end on (about half the blocks)
+        with_map = int(estimator != "identity" or (need_all and settings.span_scoring != "estimator"))
+        plan.passes += with_map + 1
+        plan.extra_forward += AUTO_HELD_OUT * (with_map + 1 + settings.shortlist / 2) - with_map - 1
+        plan.notes.append(f"shortlist: the best {settings.shortlist} spans apart, each kept or not by the held-out "
+                          f"loss of the model with its map, on {AUTO_HELD_OUT:.0%} of the sequences")
     if len(counts) > 1:
         plan.weight_copies = 2  # the original beside one candidate's copy
         plan.notes.append(f"spans auto: the model built with {', '.join(map(str, counts))} spans on a copy (another "

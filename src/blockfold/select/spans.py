@@ -126,6 +126,21 @@ def best_span(
     return SpanChoice(start, length, candidates[start], criterion, candidates)
 
 
+def spans_apart(scores: np.ndarray, length: int, criterion: str, count: int, min_start: int = 1) -> list[SpanChoice]:
+    """Up to ``count`` spans of ``length`` blocks, best score first, none overlapping a better one: the
+    criterion's best at different depths, for a measure the scores stand in for to decide between."""
+    candidates = by_start(scores, length, min_start)
+    if not candidates:
+        raise BlockfoldError(f"no span of {length} blocks fits this model: remove fewer blocks")
+    kept: list[SpanChoice] = []
+    for start in sorted(candidates, key=candidates.__getitem__):
+        if len(kept) == count:
+            break
+        if all(abs(start - other.start) >= length for other in kept):
+            kept.append(SpanChoice(start, length, candidates[start], criterion, candidates))
+    return kept
+
+
 def split_budget(blocks: int, spans: int) -> list[int]:
     """``blocks`` shared as evenly as possible by ``spans`` spans, longest first."""
     base, extra = divmod(blocks, spans)

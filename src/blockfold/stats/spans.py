@@ -46,6 +46,12 @@ class NormalEquations:
         """Relative error of keeping the block before the span as it is (plain removal)."""
         return self.identity_error / max(self.yty_trace, 1e-300)
 
+    def less(self, part: "NormalEquations") -> "NormalEquations":
+        """The sums without ``part``'s, rows that went into both: the fit on the other rows alone."""
+        return NormalEquations(None if self.xtx is None else self.xtx - part.xtx,
+                               None if self.xty is None else self.xty - part.xty, self.yty_trace - part.yty_trace,
+                               self.identity_error - part.identity_error, self.tokens - part.tokens)
+
 
 @dataclass
 class SpanTable:
