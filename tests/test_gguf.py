@@ -162,3 +162,25 @@ def test_qwen_coder_parts_join_into_one_gguf_once(tmp_path, monkeypatch):
     monkeypatch.setattr(sources, "QWEN_CODER_PARTS", 4)
     with pytest.raises(BlockfoldError, match=r"part4 is missing.*setup.sh --qwen.*part\{1..22\}==0.2.0"):
         sources.BUILTIN_MODELS["qwen2.5-coder-1.5b"]()
+
+
+def test_a_conversion_another_process_finished_first_is_used(tmp_path, monkeypatch):
+    """Two processes (torchrun ranks, test workers) converting one GGUF at once: the one that finishes
+    second finds the folder in place, uses it, and leaves no staging folder behind."""
+    from blockfold.models import gguf as gguf_module
+    from blockfold.models import sources
+
+    monkeypatch.setenv("BLOCKFOLD_CACHE", str(tmp_path / "cache"))
+    source = tmp_path / "model.gguf"
+    source.write_bytes(b"not read by the stand-in converter")
+
+    def convert_while_another_process_finishes(path, staging, dtype):
+        (staging / "config.json").write_text("{}")
+        target = staging.parent / f"{source.stem}-{sources._file_sha256(source)[:16]}"
+        target.mkdir()
+        (target / "config.json").write_text('{"by": "the other process"}')
+
+    monkeypatch.setattr(gguf_module, "convert_gguf", convert_while_another_process_finishes)
+    folder = sources._convert_gguf(source)
+    assert (folder / "config.json").read_text() == '{"by": "the other process"}'
+    assert [path.name for path in folder.parent.iterdir()] == [folder.name]

