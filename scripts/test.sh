@@ -8,4 +8,6 @@ case "${1:-}" in
   --slow) shift; exec .venv/bin/python -m pytest -m "not extended" "$@" ;;
   --extended) shift; exec .venv/bin/python -m pytest -m "extended or not extended" "$@" ;;
 esac
-exec .venv/bin/python -m pytest "$@"
+# the default set: one worker per core, each test file on one worker (the composition matrix shares its
+# plain runs and its one torchrun spawn within a file)
+exec .venv/bin/python -m pytest -n auto --dist loadfile "$@"

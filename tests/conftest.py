@@ -11,9 +11,14 @@ import sys
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach for a hub
+if os.environ.get("PYTEST_XDIST_WORKER"):  # one worker per core (scripts/test.sh): one thread each
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 import torch
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import (
     CohereConfig,
