@@ -147,6 +147,29 @@ def test_singular_normal_equations_fall_back_to_ridge():
     assert info["relative_fit_error"] == pytest.approx(eq.relative_residual(torch.from_numpy(best)), rel=1e-4)
 
 
+def test_normal_equations_a_held_out_part_leaves_indefinite_still_solve():
+    """Sums less the sums of some of their rows recomputed in another batch (the shortlist's fit without
+    its held-out sequences), fewer rows left than inputs: the recomputed rows differ in their last bits,
+    so the difference has eigenvalues below zero by more than the first fallback ridge (SmolLM2 on 4 x 128
+    tokens: -1.6e-3 against a ridge of 1.5e-3); the ridge grows until the solve holds, and says which."""
+    from blockfold.stats import NormalEquations
+
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(60, 40, dtype=torch.float64, generator=generator)
+    y = torch.randn(60, 3, dtype=torch.float64, generator=generator)
+    held = x[30:] * (1 + 1e-5 * torch.randn(30, 40, dtype=torch.float64, generator=generator))
+    full = NormalEquations(x.T @ x, x.T @ y, float((y * y).sum()), 0.0, 60)
+    part = NormalEquations(held.T @ held, held.T @ y[30:], float((y[30:] ** 2).sum()), 0.0, 30)
+    left = full.less(part)
+    first_ridge = 1e-6 * float(left.xtx.diagonal().mean())
+    assert float(torch.linalg.eigvalsh(left.xtx)[0]) < -first_ridge
+    with pytest.warns(UserWarning, match="singular"):
+        transform, info = fit_lstsq(left)
+    assert torch.isfinite(transform).all() and info["ridge_alpha"] > first_ridge
+    kept = x[:30] @ transform - y[:30]  # 30 rows, 40 inputs: the kept rows are fitted
+    assert float((kept ** 2).sum()) < 1e-3 * float((y[:30] ** 2).sum())
+
+
 @pytest.mark.parametrize("arch", ["gemma2", "gemma3_text"])
 def test_linearized_norm_fold_matches_explicit_linear_map(arch):
     """Sandwich blocks: with the post-MLP norm driven into its linear regime, the block adds exactly

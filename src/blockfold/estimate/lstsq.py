@@ -6,10 +6,13 @@ import warnings
 
 import torch
 
+from blockfold.errors import BlockfoldError
 from blockfold.stats import NormalEquations
 
 #: ridge added, relative to the mean eigenvalue of XᵀX, when the normal equations are singular
 FALLBACK_RELATIVE_RIDGE = 1e-6
+#: tenfold raises of that ridge tried where it is not enough (a factor of 1e12 at most)
+MAX_RIDGE_STEPS = 12
 
 
 def solve_normal_equations(
@@ -26,13 +29,23 @@ def solve_normal_equations(
     if int(info) == 0 and (alpha > 0 or _well_conditioned(xtx)):  # a ridge needs no eigenvalues
         return torch.cholesky_solve(xty, factor), alpha
     ridge = alpha + FALLBACK_RELATIVE_RIDGE * float(xtx.diagonal().mean().clamp(min=1e-30))
+    factor, info = torch.linalg.cholesky_ex(xtx + ridge * eye)
+    # indefinite beyond that ridge: sums less the sums of rows recomputed in another batch (a held-out part),
+    # whose last bits differ
+    for _ in range(MAX_RIDGE_STEPS):
+        if int(info) == 0:
+            break
+        ridge *= 10
+        factor, info = torch.linalg.cholesky_ex(xtx + ridge * eye)
+    else:
+        raise BlockfoldError("the normal equations hold non-finite or wildly scaled values, so no ridge makes them "
+                             "solvable: check the model's activations (--dtype float32) and the calibration data")
     if warn:
         warnings.warn(
             f"normal equations are singular (too few or degenerate calibration tokens); "
             f"adding ridge alpha={ridge:.3g}. Give more calibration data or set ridge_alpha",
             stacklevel=3,
         )
-    factor = torch.linalg.cholesky(xtx + ridge * eye)
     return torch.cholesky_solve(xty, factor), ridge
 
 
