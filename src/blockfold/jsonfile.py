@@ -1,15 +1,18 @@
-"""Results files written whole or not at all.
+"""Files written whole or not at all.
 
-A run stopped while it writes its JSON (killed, out of disk) must not leave a truncated file where a
-reader, a later ``--original-from`` or ``--resume``, expects results: the text is serialised first,
-written beside the target under a staging name (``.<name>.partial-<pid>``, the convention of the
-checkpoint writer) and renamed over it, so the target is always the previous file or the new one.
+A run stopped while it writes a file (killed, out of disk) must not leave a truncated one where a
+reader, a later ``--original-from`` or ``--resume``, expects it: the file is written beside the target
+under a staging name (``.<name>.partial-<pid>``, the convention of the checkpoint writer, so processes
+writing the same target do not share one) and renamed over it, so the target is always the previous
+file or the new one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Callable
 
@@ -20,15 +23,22 @@ def write_json(path: str | Path, data: Any, indent: int | None = 1, default: Cal
     """Write ``data`` as JSON to ``path`` (its folder made if missing) in one rename; returns the path."""
     target = Path(path)
     text = json.dumps(data, indent=indent, default=default)  # a value JSON cannot hold fails before any file exists
+    with staged_file(target) as staging:
+        staging.write_text(text)
+    return target
+
+
+@contextlib.contextmanager
+def staged_file(target: Path) -> Iterator[Path]:
+    """The path to write ``target``'s content to (its folder made if missing): renamed over ``target``
+    when the block ends, removed if it raises."""
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = target.with_name(f".{target.name}.partial-{os.getpid()}")
     try:
-        staging.write_text(text)
+        yield staging
         os.replace(staging, target)
-    except BaseException:
+    finally:
         staging.unlink(missing_ok=True)
-        raise
-    return target
 
 
 def check_json_target(path: str | Path, option: str = "--json") -> None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +43,7 @@ from blockfold.errors import BlockfoldError
 from blockfold.export.choices import QUANT_TYPE_NAMES, SOURCE
 from blockfold.export.gguf_metadata import config_metadata, llama3_rope_factors, tokenizer_metadata
 from blockfold.export.kquants import K_FILE_TYPES, k_quant_type, quantize_k
+from blockfold.jsonfile import staged_file
 from blockfold.models.checkpoint import CheckpointReader
 from blockfold.progress import bar
 from blockfold.settings import methods_where
@@ -104,13 +104,8 @@ def export_gguf(model: str | Path, out: str | Path, quant: str = "f16", overwrit
                              f"{', '.join([*QUANT_TYPES, *K_FILE_TYPES, SOURCE])} (for others, export f16 and run "
                              "llama.cpp's llama-quantize)")
     plan = _plan(model, quant, tokenizer_pre)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = out.with_name(f".{out.name}.partial-{os.getpid()}")
-    try:
+    with staged_file(out) as staging:
         _write(plan, staging)
-        os.replace(staging, out)
-    finally:
-        staging.unlink(missing_ok=True)
     log.info("wrote %s (%.1f MB, %d tensors, %d copied unchanged from the source GGUF)", out,
              out.stat().st_size / 1e6, len(plan.tensors), sum(t.copied_from is not None for t in plan.tensors))
     return out

