@@ -74,6 +74,19 @@ def next_token_nll(model: PreTrainedModel, adapter, hidden: torch.Tensor, ids: t
 
 
 @torch.no_grad()
+def stream_nll(handle, batches: list, streams: dict) -> dict:
+    """Key → (summed next-token NLL, tokens scored) of each stream of last-block hidden states (one per
+    batch, as a layer program carries one stream per candidate), through ``handle``'s head."""
+    totals = {}
+    with handle.materialized(*handle.head_modules()):
+        for key, hidden in streams.items():
+            scored = [next_token_nll(handle.model, handle.adapter, h, batch.input_ids, batch.attention_mask)
+                      for batch, h in zip(batches, hidden)]
+            totals[key] = (sum(nll for nll, _ in scored), sum(count for _, count in scored))
+    return totals
+
+
+@torch.no_grad()
 def perplexity(model, windows: torch.Tensor, batch_size: int = 4, description: str = "perplexity") -> dict:
     """exp of the mean next-token loss over all windows (each window scores seq_len - 1 tokens).
 

@@ -21,7 +21,7 @@ import math
 import torch
 
 from blockfold.data import Batch
-from blockfold.eval.perplexity import next_token_nll
+from blockfold.eval.perplexity import stream_nll
 from blockfold.methods.base import Job
 from blockfold.pipelines import LayerProgram
 from blockfold.pipelines.buffers import ActivationStore
@@ -47,9 +47,9 @@ def shortlist_losses(job: Job, candidates: list[SpanChoice], batches: list[Batch
     replaced by its map (start → map; None: the span removed, nothing folded), in one sweep."""
     handle, adapter = job.handle, job.adapter
     num_layers = handle.num_layers()
-    ends = {c.start + c.length - 1: [] for c in candidates}
+    ends: dict[int, list[SpanChoice]] = {}
     for c in candidates:
-        ends[c.start + c.length - 1].append(c)
+        ends.setdefault(c.start + c.length - 1, []).append(c)
     before = {c.start - 1: c for c in candidates}
     pending: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # start → (rest of the block, contribution)
     with ActivationStore(job.runner.store_kind(batches, 1 + len(candidates)), handle.device,
@@ -77,13 +77,7 @@ def shortlist_losses(job: Job, candidates: list[SpanChoice], batches: list[Batch
                 streams[c.start] = [rest + (x if transform is None else
                                             (x.float() @ transform.to(x.device, torch.float32)).to(x.dtype))
                                     for rest, x in pending.pop(c.start)]
-        totals = {start: [0.0, 0] for start in streams}
-        with handle.materialized(*handle.head_modules()):
-            for start, hidden in streams.items():
-                for batch, h in zip(batches, hidden):
-                    nll, count = next_token_nll(handle.model, adapter, h, batch.input_ids, batch.attention_mask)
-                    totals[start][0] += nll
-                    totals[start][1] += count
+        totals = stream_nll(handle, batches, streams)
     job.runner.sweep()
     losses = {start: nll / max(count, 1) for start, (nll, count) in totals.items()}
     entries = {span_label(c.blocks): {"start": c.start, "score": c.score, "mean_nll": losses[c.start]}

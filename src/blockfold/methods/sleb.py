@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from blockfold.data import Batch
-from blockfold.eval.perplexity import next_token_nll
+from blockfold.eval.perplexity import stream_nll
 from blockfold.methods.base import Job
 from blockfold.models.handle import ModelHandle
 from blockfold.pipelines import LayerProgram
@@ -32,12 +32,11 @@ def candidate_losses(handle: ModelHandle, batches: list[Batch], candidates: list
                      store_kind: str = "device", offload_dir: str | None = None) -> dict[int, float]:
     """Calibration perplexity of the model with each candidate block skipped (the others as they are)."""
     num_layers = handle.num_layers()
-    totals = {block: [0.0, 0] for block in candidates}
     with ActivationStore(store_kind, handle.device, offload_dir) as store:
         program = LayerProgram(handle, batches, store, num_layers - 1)
         streams = {None: [program.hidden(n) for n in range(len(batches))]}  # skipped block → hidden per batch
         for index in bar(range(num_layers), desc="scoring blocks", unit="layer", leave=False):
-            if index in totals:
+            if index in candidates:
                 streams[index] = list(streams[None])  # skipping this block: the stream before it goes on
             with program.layer(index) as (_, run):
                 for skipped, hidden in streams.items():
@@ -45,12 +44,7 @@ def candidate_losses(handle: ModelHandle, batches: list[Batch], candidates: list
                         streams[skipped] = [run(h, n) for n, h in enumerate(hidden)]
             if index == max(candidates):
                 streams.pop(None)  # no later block branches off the unskipped stream
-        with handle.materialized(*handle.head_modules()):
-            for block in candidates:
-                for batch, hidden in zip(batches, streams[block]):
-                    nll, count = next_token_nll(handle.model, handle.adapter, hidden, batch.input_ids, batch.attention_mask)
-                    totals[block][0] += nll
-                    totals[block][1] += count
+        totals = stream_nll(handle, batches, streams)
     return {block: math.exp(nll / count) for block, (nll, count) in totals.items()}
 
 
