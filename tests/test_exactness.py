@@ -168,6 +168,10 @@ def test_normal_equations_a_held_out_part_leaves_indefinite_still_solve():
     assert torch.isfinite(transform).all() and info["ridge_alpha"] > first_ridge
     kept = x[:30] @ transform - y[:30]  # 30 rows, 40 inputs: the kept rows are fitted
     assert float((kept ** 2).sum()) < 1e-3 * float((y[:30] ** 2).sum())
+    broken = left.xtx.clone()
+    broken[0, 0] = float("nan")  # no ridge helps: one clear error, not a linear-algebra traceback
+    with pytest.raises(BlockfoldError, match="no ridge makes them solvable"):
+        fit_lstsq(NormalEquations(broken, left.xty, left.yty_trace, 0.0, 30), warn=False)
 
 
 @pytest.mark.parametrize("arch", ["gemma2", "gemma3_text"])

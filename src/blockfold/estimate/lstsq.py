@@ -29,14 +29,13 @@ def solve_normal_equations(
     if int(info) == 0 and (alpha > 0 or _well_conditioned(xtx)):  # a ridge needs no eigenvalues
         return torch.cholesky_solve(xty, factor), alpha
     ridge = alpha + FALLBACK_RELATIVE_RIDGE * float(xtx.diagonal().mean().clamp(min=1e-30))
-    factor, info = torch.linalg.cholesky_ex(xtx + ridge * eye)
-    # indefinite beyond that ridge: sums less the sums of rows recomputed in another batch (a held-out part),
-    # whose last bits differ
-    for _ in range(MAX_RIDGE_STEPS):
+    # raised where still indefinite: sums less the sums of rows recomputed in another batch (a held-out
+    # part), whose last bits differ
+    for _ in range(1 + MAX_RIDGE_STEPS):
+        factor, info = torch.linalg.cholesky_ex(xtx + ridge * eye)
         if int(info) == 0:
             break
         ridge *= 10
-        factor, info = torch.linalg.cholesky_ex(xtx + ridge * eye)
     else:
         raise BlockfoldError("the normal equations hold non-finite or wildly scaled values, so no ridge makes them "
                              "solvable: check the model's activations (--dtype float32) and the calibration data")
