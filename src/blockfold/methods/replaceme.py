@@ -692,7 +692,7 @@ def plan_span_removal(context: PlanContext) -> MethodPlan:
     if getattr(settings, "shortlist", 1) > 1:
         # the held-out sums (a pass over an eighth of the sequences, where there is a map to fit) and one
         # sweep of those carrying a stream per candidate from its span's end on (about half the blocks)
-        with_map = int(estimator != "identity" or (need_all and settings.span_scoring != "estimator"))
+        with_map = int(_shortlist_map(settings) is not None)
         plan.passes += with_map + 1
         plan.extra_forward += AUTO_HELD_OUT * (with_map + 1 + settings.shortlist / 2) - with_map - 1
         plan.notes.append(f"shortlist: the best {settings.shortlist} spans apart, each kept or not by the held-out "
