@@ -168,6 +168,16 @@ class DecoderAdapter:
         return [linear for linear in module.modules()
                 if isinstance(linear, nn.Linear) and not any(linear is output for output in outputs)]
 
+    def linear_projections(self, layer: nn.Module) -> dict[str, nn.Linear]:
+        """Every ``nn.Linear`` of the block's attention and MLP, by its dotted name in the layer
+        (``self_attn.q_proj``, ``mlp.down_proj``): the weights a width method factors or slices."""
+        found = {}
+        for attr in (self.attention_attr, self.mlp_attr):
+            for name, module in getattr(layer, attr).named_modules():
+                if isinstance(module, nn.Linear):
+                    found[f"{attr}.{name}"] = module
+        return found
+
     def attention_contribution_module(self, layer: nn.Module) -> nn.Module:
         """The module whose output (first element) is exactly what attention adds to the residual."""
         return getattr(layer, self.post_attention_norm) if self.post_attention_norm else self.attention(layer)

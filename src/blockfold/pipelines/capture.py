@@ -21,11 +21,17 @@ def needs_attention(observers: list[Observer]) -> bool:
     return any(getattr(obs, "needs_attention", False) for obs in observers)
 
 
+def needs_projection_inputs(observers: list[Observer]) -> bool:
+    return any(getattr(obs, "needs_projection_inputs", False) for obs in observers)
+
+
 class SublayerCapture:
     """Forward hooks on one layer's sublayers that store their outputs, flattened to the real tokens
-    of ``mask``, into ``store`` under "mlp", "down", "attn_in" and "attn"."""
+    of ``mask``, into ``store`` under "mlp", "down", "attn_in" and "attn"; with ``inputs``, what every
+    linear projection reads under "inputs" (name → rows; projections fed one tensor share its rows)."""
 
-    def __init__(self, layer: nn.Module, adapter: DecoderAdapter, attention: bool, store: dict):
+    def __init__(self, layer: nn.Module, adapter: DecoderAdapter, attention: bool, store: dict,
+                 inputs: bool = False):
         self.store = store
         points = [("mlp", adapter.mlp_contribution_module(layer))]
         if attention:
@@ -33,15 +39,44 @@ class SublayerCapture:
         if not adapter.folds_exactly:
             points.append(("down", adapter.down_proj(layer)))
         self.handles = [module.register_forward_hook(self._hook(key)) for key, module in points]
+        if inputs:
+            self.handles += [linear.register_forward_pre_hook(self._input_hook(name))
+                             for name, linear in adapter.linear_projections(layer).items()]
 
     def _hook(self, key: str):
         def hook(module, args, output):
             self.store[key] = flatten(first(output), self.store["mask"])
         return hook
 
+    def _input_hook(self, name: str):
+        def hook(module, args):
+            seen = self.store.setdefault("_read", [])  # (input, its rows): q, k and v read one tensor
+            rows = next((rows for tensor, rows in seen if tensor is args[0]), None)
+            if rows is None:
+                rows = flatten(args[0], self.store["mask"])
+                seen.append((args[0], rows))
+            self.store.setdefault("inputs", {})[name] = rows
+        return hook
+
     def remove(self) -> None:
         for handle in self.handles:
             handle.remove()
+
+
+def take_inputs(store: dict) -> dict[str, torch.Tensor] | None:
+    """The projection inputs captured for one layer (and forget the tensors they were read from)."""
+    store.pop("_read", None)
+    return store.pop("inputs", None)
+
+
+def join_inputs(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """One layer's projection inputs from several batches, joined by rows; names that shared one
+    tensor in every batch share the joined one."""
+    joined: dict[str, torch.Tensor] = {}
+    for name in parts[0]:
+        twin = next((other for other in joined if all(part[other] is part[name] for part in parts)), None)
+        joined[name] = joined[twin] if twin is not None else torch.cat([part[name] for part in parts])
+    return joined
 
 
 def flatten(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

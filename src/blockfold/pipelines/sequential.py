@@ -23,7 +23,18 @@ from torch import nn
 from blockfold.data import Batch
 from blockfold.models.handle import ModelHandle
 from blockfold.pipelines.buffers import ActivationStore
-from blockfold.pipelines.capture import SublayerCapture, check_finite, first, flatten, last_token_rows, needs_attention, split_rows
+from blockfold.pipelines.capture import (
+    SublayerCapture,
+    check_finite,
+    first,
+    flatten,
+    join_inputs,
+    last_token_rows,
+    needs_attention,
+    needs_projection_inputs,
+    split_rows,
+    take_inputs,
+)
 from blockfold.progress import bar
 from blockfold.runtime import check_offload_dir, release_free_memory
 from blockfold.stats.activations import LayerActivations, Observer
@@ -159,6 +170,7 @@ def run_sequential(handle: ModelHandle, chunks: list[list[Batch]], observers: li
 def _run_chunk(handle: ModelHandle, chunk: list[Batch], observers: list[Observer], last_layer: int, attention: bool,
                progress, store: ActivationStore) -> None:
     """One chunk through layers 0..``last_layer``, its activations handed to the observers as one group."""
+    inputs = needs_projection_inputs(observers)
     with store:
         program = LayerProgram(handle, chunk, store, last_layer)
         counts = [int(mask.sum()) for mask in program.masks]
@@ -167,9 +179,10 @@ def _run_chunk(handle: ModelHandle, chunk: list[Batch], observers: list[Observer
         block_in = torch.cat([flatten(program.hidden(n), mask) for n, mask in enumerate(program.masks)])
         for index in range(last_layer + 1):
             parts: dict[str, list[torch.Tensor]] = {}
+            read: list[dict[str, torch.Tensor]] = []
             with program.layer(index) as (block, run):
                 captured: dict = {}
-                capture = SublayerCapture(block, handle.adapter, attention, captured)
+                capture = SublayerCapture(block, handle.adapter, attention, captured, inputs)
                 try:
                     for number, mask in enumerate(program.masks):
                         captured["mask"] = mask
@@ -180,6 +193,8 @@ def _run_chunk(handle: ModelHandle, chunk: list[Batch], observers: list[Observer
                         for key in ("mlp", "down", "attn_in", "attn"):
                             if key in captured:
                                 parts.setdefault(key, []).append(captured.pop(key))
+                        if inputs:
+                            read.append(take_inputs(captured))
                 finally:
                     capture.remove()
             joined = {key: torch.cat(values) for key, values in parts.items()}
@@ -187,12 +202,13 @@ def _run_chunk(handle: ModelHandle, chunk: list[Batch], observers: list[Observer
             acts = LayerActivations(index=index, block_in=block_in, block_out=joined["out"],
                                     mlp_contribution=joined["mlp"], down_out=joined.get("down"),
                                     last_token=last_token, attn_input=joined.get("attn_in"),
-                                    attn_contribution=joined.get("attn"))
+                                    attn_contribution=joined.get("attn"),
+                                    projection_inputs=join_inputs(read) if read else None)
             for obs in observers:
                 if index <= obs.last_layer:
                     obs.on_layer(acts)
             block_in = joined["out"]
-            del acts, joined, parts
+            del acts, joined, parts, read
             release_free_memory()  # the observers' float64 working copies
             progress.update(1)
         for obs in observers:

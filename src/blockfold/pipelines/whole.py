@@ -14,7 +14,16 @@ import torch
 
 from blockfold.data import Batch
 from blockfold.models.handle import ModelHandle
-from blockfold.pipelines.capture import SublayerCapture, check_finite, first, flatten, last_token_rows, needs_attention
+from blockfold.pipelines.capture import (
+    SublayerCapture,
+    check_finite,
+    first,
+    flatten,
+    last_token_rows,
+    needs_attention,
+    needs_projection_inputs,
+    take_inputs,
+)
 from blockfold.progress import bar
 from blockfold.runtime import release_free_memory
 from blockfold.stats.activations import LayerActivations, Observer
@@ -31,7 +40,7 @@ def run_whole(handle: ModelHandle, groups: list[Batch], observers: list[Observer
     model, adapter, device = handle.model, handle.adapter, handle.device
     layers = adapter.layers(model)
     last_layer = max(obs.last_layer for obs in observers)
-    attention = needs_attention(observers)
+    attention, inputs = needs_attention(observers), needs_projection_inputs(observers)
     state: dict = {}
 
     def capture_input(module, args, kwargs):
@@ -45,7 +54,7 @@ def run_whole(handle: ModelHandle, groups: list[Batch], observers: list[Observer
                 index=index, block_in=state.pop("block_in"), block_out=block_out,
                 mlp_contribution=state.pop("mlp"), down_out=state.pop("down", None),
                 last_token=state["last_token"], attn_input=state.pop("attn_in", None),
-                attn_contribution=state.pop("attn", None),
+                attn_contribution=state.pop("attn", None), projection_inputs=take_inputs(state),
             )
             for obs in observers:
                 if index <= obs.last_layer:
@@ -56,7 +65,7 @@ def run_whole(handle: ModelHandle, groups: list[Batch], observers: list[Observer
         return hook
 
     handles = [layers[0].register_forward_pre_hook(capture_input, with_kwargs=True)]
-    captures = [SublayerCapture(layer, adapter, attention, state) for layer in layers[: last_layer + 1]]
+    captures = [SublayerCapture(layer, adapter, attention, state, inputs) for layer in layers[: last_layer + 1]]
     handles += [layer.register_forward_hook(finish_layer(index)) for index, layer in enumerate(layers[: last_layer + 1])]
     try:
         with bar(total=len(groups), initial=first_group, desc=description, unit="batch", show=show) as progress:

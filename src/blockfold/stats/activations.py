@@ -24,6 +24,9 @@ class LayerActivations:
     # captured only when an observer sets ``needs_attention``:
     attn_input: torch.Tensor | None = None  # the normalised hidden state the attention reads
     attn_contribution: torch.Tensor | None = None  # exactly what the attention half adds to the residual
+    # captured only when an observer sets ``needs_projection_inputs``: what each linear projection of
+    # the block reads (adapter.linear_projections' names; projections fed one tensor share its rows)
+    projection_inputs: dict[str, torch.Tensor] | None = None
 
     @property
     def attn_residual(self) -> torch.Tensor:
@@ -41,6 +44,8 @@ class Observer(Protocol):
     last_layer: int
     #: optional attribute: True to also capture the attention sublayer's input and contribution
     #: needs_attention: bool
+    #: optional attribute: True to also capture what every linear projection of the block reads
+    #: needs_projection_inputs: bool
 
     def on_layer(self, acts: LayerActivations) -> None: ...
 

@@ -1,8 +1,9 @@
-"""Replacing attention sublayers or whole blocks by linear maps (NBL) or by nothing (DROP-attn).
+"""Replacing attention sublayers or whole blocks by linear maps (NBL) or by nothing (DROP-attn), and
+projections by two low-rank factors (SVD-LLM).
 
 The replacement modules and the checkpoint classes live in ``modeling_blockfold.py``, which is
 shipped inside every such checkpoint; this module applies them to a model in memory and turns the
-model into its linearized class, so ``save_pretrained`` writes the remote-code config and file.
+model into its blockfold class, so ``save_pretrained`` writes the remote-code config and file.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from blockfold.models.handle import ModelHandle
 from blockfold.surgery import modeling_blockfold as shipped
 
 LINEARIZED_FIELD = shipped.LINEARIZED_FIELD
+LOW_RANK_FIELD = shipped.LOW_RANK_FIELD
 
 
 def register_linearized_classes() -> None:
@@ -41,10 +43,7 @@ def replace_sublayers(
     """
     maps = maps or {}
     model, adapter = handle.model, handle.adapter
-    base_type = model.config.model_type.removeprefix("blockfold_")
-    if base_type not in shipped.LINEARIZED_CLASSES:
-        raise BlockfoldError(f"no linearized form of {base_type!r} models: add one to surgery/modeling_blockfold.py")
-    config_class, model_class = shipped.LINEARIZED_CLASSES[base_type]
+    config_class, model_class = _blockfold_classes(model)
     layers = adapter.layers(model)
     for entry in entries:
         layer = layers[entry["layer"]]
@@ -56,17 +55,58 @@ def replace_sublayers(
             handle.own(linear, "bias", bias)
     replaced = {entry["layer"] for entry in entries}
     kept = [entry for entry in linearized_entries(model) if entry["layer"] not in replaced]
-    model.config.__class__ = config_class
     setattr(model.config, LINEARIZED_FIELD, sorted(kept + entries, key=lambda entry: entry["layer"]))
+    _become(model, config_class, model_class)
+
+
+def _blockfold_classes(model: PreTrainedModel) -> tuple[type, type]:
+    """The config and causal-LM classes of ``model``'s family that ship with their modeling code."""
+    base_type = model.config.model_type.removeprefix("blockfold_")
+    if base_type not in shipped.LINEARIZED_CLASSES:
+        raise BlockfoldError(f"no blockfold form of {base_type!r} models (linear or low-rank replacements): "
+                             "add one to surgery/modeling_blockfold.py")
+    return shipped.LINEARIZED_CLASSES[base_type]
+
+
+def _become(model: PreTrainedModel, config_class: type, model_class: type) -> None:
+    model.config.__class__ = config_class
     model.config.architectures = [model_class.__name__]
     model.__class__ = model_class
 
 
+@torch.no_grad()
+def factor_projections(handle: ModelHandle, factors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Store each projection ``(layer, dotted name)`` as ``second @ first`` (``first``: rank × in,
+    ``second``: out × rank), keeping its bias; the factors are owned by the handle. The entries go to
+    the config (``blockfold_low_rank``), where the shipped modeling code reads them back."""
+    model, adapter = handle.model, handle.adapter
+    config_class, model_class = _blockfold_classes(model)
+    layers = adapter.layers(model)
+    device = None if handle.resident else "meta"  # asked once: the first meta module would change the answer
+    entries = []
+    for (index, name), (first, second) in sorted(factors.items()):
+        layer = layers[index]
+        linear = adapter.linear_projections(layer)[name]
+        bias = handle.saved_value(linear, "bias") if linear.bias is not None else None
+        entry = {"layer": index, "module": name, "rank": int(first.shape[0])}
+        factored = shipped.factor_projection(layer, entry, device=device)
+        handle.own(factored.first, "weight", first)
+        handle.own(factored.second, "weight", second)
+        if bias is not None:
+            handle.own(factored.second, "bias", bias)
+        entries.append(entry)
+    earlier = [entry for entry in getattr(model.config, LOW_RANK_FIELD, None) or ()
+               if (entry["layer"], entry["module"]) not in factors]
+    setattr(model.config, LOW_RANK_FIELD, sorted(earlier + entries, key=lambda entry: (entry["layer"], entry["module"])))
+    _become(model, config_class, model_class)
+
+
 def renumber_linearized(config, keep: list[int]) -> None:
-    """After blocks were removed (``keep`` = old indices of the kept ones), renumber the entries."""
-    entries = getattr(config, LINEARIZED_FIELD, None)
-    if not entries:
-        return
+    """After blocks were removed (``keep`` = old indices of the kept ones), renumber the entries of
+    both fields (linear replacements and low-rank projections)."""
     new_index = {old: new for new, old in enumerate(keep)}
-    setattr(config, LINEARIZED_FIELD, [{**entry, "layer": new_index[entry["layer"]]}
-                                       for entry in entries if entry["layer"] in new_index])
+    for field in (LINEARIZED_FIELD, LOW_RANK_FIELD):
+        entries = getattr(config, field, None)
+        if entries:
+            setattr(config, field, [{**entry, "layer": new_index[entry["layer"]]}
+                                    for entry in entries if entry["layer"] in new_index])

@@ -16,6 +16,14 @@ Each entry says, in the decoder layer's own attribute names, which sublayer beco
 (or nothing), which norms become the identity and which sublayers contribute zero. All knowledge of
 where things are in a block lives in blockfold's adapters, which wrote the entries; this file only
 executes them. A replaced sublayer reads no other token, so it keeps no KV cache.
+
+A second field, ``blockfold_low_rank``, lists projections stored as two factors (SVD-LLM):
+
+    {"layer": i, "module": "self_attn.q_proj", "rank": r}
+
+The ``nn.Linear`` at that dotted path in the decoder layer becomes ``LowRankLinear``: ``x ↦ B (A x) + b``
+with ``A`` (r × in) and ``B`` (out × r), whose weights are ``<module>.first.weight`` and
+``<module>.second.weight`` (and ``.second.bias`` where the projection had a bias).
 """
 
 from __future__ import annotations
@@ -59,6 +67,7 @@ except ImportError:  # transformers < 5.20; vLLM's pinned one loads only the con
     DummyLayer = None
 
 LINEARIZED_FIELD = "blockfold_linearized"
+LOW_RANK_FIELD = "blockfold_low_rank"
 
 
 def _cache_of(past_key_values, kwargs: dict):
@@ -155,6 +164,32 @@ def linearize_layer(layer: nn.Module, entry: dict, hidden_size: int) -> None:
         setattr(layer, name, ZeroMLP())
 
 
+class LowRankLinear(nn.Module):
+    """A projection stored as two factors: ``second(first(x))``, ``rank`` wide in between."""
+
+    def __init__(self, in_features: int, out_features: int, rank: int, bias: bool, device=None, dtype=None):
+        super().__init__()
+        self.in_features, self.out_features, self.rank = in_features, out_features, rank
+        self.first = nn.Linear(in_features, rank, bias=False, device=device, dtype=dtype)
+        self.second = nn.Linear(rank, out_features, bias=bias, device=device, dtype=dtype)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.second(self.first(hidden_states))
+
+
+def factor_projection(layer: nn.Module, entry: dict, device=None) -> LowRankLinear:
+    """Apply one ``blockfold_low_rank`` entry to a decoder layer, in place; returns the new module."""
+    *path, name = entry["module"].split(".")
+    owner = layer
+    for part in path:
+        owner = getattr(owner, part)
+    linear = getattr(owner, name)
+    factored = LowRankLinear(linear.in_features, linear.out_features, entry["rank"], linear.bias is not None,
+                             device=device or linear.weight.device, dtype=linear.weight.dtype)
+    setattr(owner, name, factored)
+    return factored
+
+
 class _Linearized:
     """Mixin for a causal-LM class: build the stock model, then apply the config's replacements."""
 
@@ -163,6 +198,8 @@ class _Linearized:
         layers = self.base_model.layers
         for entry in getattr(config, LINEARIZED_FIELD, None) or ():
             linearize_layer(layers[entry["layer"]], entry, config.hidden_size)
+        for entry in getattr(config, LOW_RANK_FIELD, None) or ():
+            factor_projection(layers[entry["layer"]], entry)
 
 
 class BlockfoldLlamaConfig(LlamaConfig):
