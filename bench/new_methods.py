@@ -35,6 +35,7 @@ from blockfold.eval.tasks import evaluate_tasks, relative_performance
 from blockfold.jsonfile import write_json
 from blockfold.pipelines import Runner
 from blockfold.recipe import CalibrationConfig, Recipe
+from blockfold.settings import SETTINGS, ParameterBudget
 from blockfold.stats import SpanStatistics
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -178,8 +179,9 @@ def main() -> None:
         counted = count_block_tokens(model)
         method_calibration = sleb_calibration if method == "sleb" and "score_sequences" not in settings else calibration
         started = time.perf_counter()
-        result = blockfold.compress(model, loaded.tokenizer, Recipe.parse({"method": method, "blocks": args.blocks,
-                                                                           **settings}), calibration=method_calibration)
+        budget = {} if issubclass(SETTINGS[method], ParameterBudget) else {"blocks": args.blocks}  # sparsity: its own
+        result = blockfold.compress(model, loaded.tokenizer, Recipe.parse({"method": method, **budget, **settings}),
+                                    calibration=method_calibration)
         seconds = time.perf_counter() - started
         method_tokens = sum(batch.input_ids.numel() for batch in method_calibration)
         forward_passes = counted[0] / (method_tokens * results["num_layers"])  # passes of its own calibration set

@@ -34,7 +34,7 @@ from blockfold.cli import main, setting_flags
 from blockfold.errors import BlockfoldError
 from blockfold.pipelines import persist
 from blockfold.runtime import DTYPES, Execution
-from blockfold.settings import SETTINGS, AttentionBudget, RefitStage
+from blockfold.settings import SETTINGS, AttentionBudget, ParameterBudget, RefitStage
 
 ARCHITECTURES = ("llama", "gemma3_text", "qwen2_moe")
 
@@ -77,7 +77,8 @@ def _cases() -> dict[str, tuple[str, dict]]:
     the refit stage but does not run it by default, once more with it (``+refit``)."""
     cases = {}
     for method, settings_class in SETTINGS.items():
-        budget = {"attention_layers": 2} if issubclass(settings_class, AttentionBudget) else {"blocks": 2}
+        budget = ({"attention_layers": 2} if issubclass(settings_class, AttentionBudget)
+                  else {"sparsity": 0.3} if issubclass(settings_class, ParameterBudget) else {"blocks": 2})
         variants = {name: extra for name, (of, extra) in VARIANTS.items() if of == method} or {method: {}}
         for name, extra in variants.items():
             cases[name] = (method, {**budget, **extra})
@@ -189,8 +190,8 @@ def mode_recipe_file(workspace, case, arch, out, capsys, monkeypatch) -> Outcome
 def mode_recipe_file_and_flags(workspace, case, arch, out, capsys, monkeypatch) -> Outcome:
     """A file with another budget and calibration size, the case's given back as flags."""
     recipe = workspace.recipe(case, num_sequences=3)
-    budget = "attention_layers" if "attention_layers" in recipe["settings"] else "blocks"
-    recipe["settings"] = {**recipe["settings"], budget: 1}
+    budget = next(key for key in ("attention_layers", "sparsity", "blocks") if key in recipe["settings"])
+    recipe["settings"] = {**recipe["settings"], budget: 0.1 if budget == "sparsity" else 1}
     path = out.parent / f"{out.name}.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(recipe))
@@ -387,6 +388,17 @@ CELLS = [(case, arch, mode) for mode in MODES for case in CASES for arch in _arc
          if (mode not in INTERFACE_MODES or arch == ARCHITECTURES[0]) and (case, mode) not in NOT_SIMULATED]
 
 
+def _as_weights(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors with each low-rank pair (``X.first.weight``, ``X.second.weight``) as the one
+    weight it stands for, ``second @ first``: the factors of a product are unique only up to an invertible
+    map between them, which half precision chooses otherwise where singular values lie close."""
+    weights = dict(tensors)
+    for name in [name for name in tensors if name.endswith(".first.weight")]:
+        module = name.removesuffix(".first.weight")
+        weights[f"{module}.weight (factored)"] = weights.pop(f"{module}.second.weight").double() @ weights.pop(name).double()
+    return weights
+
+
 def _assert_same_output(got: Outcome, expected: Outcome, tolerance: float, where: str,
                         float32: Outcome | None = None) -> None:
     """``got`` saved what ``expected`` saved: the same blocks and layers, and every tensor within
@@ -399,9 +411,10 @@ def _assert_same_output(got: Outcome, expected: Outcome, tolerance: float, where
     assert got.refusal is None, f"{where}: refused ({got.refusal}) where the plain run saves"
     for field in ("removed_blocks", "replaced"):
         assert got.manifest.get(field) == expected.manifest.get(field), f"{where}: {field}"
-    saved, wanted = checkpoint_tensors(got.folder), checkpoint_tensors(expected.folder)
+    saved, wanted = _as_weights(checkpoint_tensors(got.folder)), _as_weights(checkpoint_tensors(expected.folder))
     assert saved.keys() == wanted.keys(), where
-    full = checkpoint_tensors(float32.folder) if float32 is not None and float32.folder is not None else None
+    full = (_as_weights(checkpoint_tensors(float32.folder)) if float32 is not None and float32.folder is not None
+            else None)
     if full is not None and full.keys() != wanted.keys():  # float32 chose other blocks: no precision yardstick
         full = None
     for name, value in wanted.items():

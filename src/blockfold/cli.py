@@ -23,7 +23,7 @@ DEFAULT_PPL_TEXT = DATA_DIR / "wikitext2_test.txt"
 # CLI flag → field of the calibration config (the rarer fields: --set calibration.FIELD=VALUE)
 CALIBRATION_FLAGS = {"calib": "source", "num_seqs": "num_sequences", "seq_len": "sequence_length",
                      "calib_docs": "max_documents", "batch_size": "batch_size", "seed": "seed"}
-BUDGET_FIELDS = ("blocks", "attention_layers", "ratio")
+BUDGET_FIELDS = ("blocks", "attention_layers", "ratio", "sparsity")
 # flags that became --set keys, kept for one release
 MOVED_TO_SET = {"--cosine-l1": "cosine.l1_penalty", "--cosine-tokens": "cosine.max_tokens",
                 "--cosine-steps": "cosine.steps", "--text-template": "calibration.text_template",
@@ -79,7 +79,7 @@ def _add_execution(p, pipeline: bool = True, save: bool = False) -> None:
     group = p.add_argument_group("execution")
     group.add_argument("--device", default="auto", help="auto (a GPU if there is one), cpu, cuda, cuda:N")
     group.add_argument("--dtype", choices=dtypes, default="auto", metavar="NAME",
-                       help="while running: auto (CPU float32, GPU as saved)|" + "|".join(dtypes[1:]))
+                       help="compute in: auto (CPU float32, GPU as saved)|" + "|".join(dtypes[1:]))
     if save:
         group.add_argument("--save-dtype", choices=dtypes, default="auto", metavar="NAME",
                            help="the saved checkpoint's: auto (the source's)|" + "|".join(dtypes[1:]))
@@ -105,10 +105,10 @@ def _execution_from_args(args):
 
 
 def _add_compress(sub) -> None:
-    p = sub.add_parser("compress", help="compress a model and save a standard checkpoint",
+    p = sub.add_parser("compress", help="compress a model and save it",
                        usage="blockfold compress --model MODEL --out DIR [--method METHOD] [--blocks N] [options]",
-                       description="Compress a model and save a standard checkpoint. A method's settings are the "
-                                   "flags of its group, or --set KEY=VALUE (blockfold methods; docs/cli.md).",
+                       description="Compress a model and save it; a method's settings are its group's flags "
+                                   "or --set KEY=VALUE.",
                        formatter_class=_CompactHelp)
     p.add_argument("--model", required=True, help="built-in name (smollm2-135m, ...), HF folder, .gguf or hub id")
     p.add_argument("--out", metavar="DIR", help="output folder (refused if it exists; not needed with --dry-run)")
@@ -127,7 +127,7 @@ def _add_compress(sub) -> None:
     _add_method_settings(p)
     group = p.add_argument_group("healing stage (after any method)")
     group.add_argument("--heal", choices=["lt", "lora"], metavar="MODE",
-                       help="then train briefly: lt (the folded down-projections) or lora; --set heal.FIELD=VALUE")
+                       help="then train: lt (the folded maps) or lora; --set heal.FIELD=VALUE")
     group.add_argument("--heal-steps", type=int, metavar="N", help="training steps (default 100)")
     group = p.add_argument_group("calibration")
     group.add_argument("--calib", metavar="SOURCE", help="file, dataset or mix 'a:0.5,b:0.5' (default: self-generated)")
@@ -612,7 +612,11 @@ def cmd_compress(args) -> int:
 def _changes(manifest: dict) -> tuple[str, str]:
     from blockfold.select import span_label
 
-    replaced = manifest.get("replaced")
+    replaced, low_rank = manifest.get("replaced"), manifest.get("low_rank")
+    if low_rank:
+        before, after = low_rank["projection_parameters"]
+        return ("projections", f"every block's as two low-rank factors, {1 - after / before:.1%} of their weights "
+                               f"removed (ranks {min(low_rank['ranks'].values())}-{max(low_rank['ranks'].values())})")
     if replaced:
         what = "attention layers" if replaced["target"] == "attention" else "blocks"
         how = "dropped" if replaced["replacement"] == "zero" else "replaced by linear maps"

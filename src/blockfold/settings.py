@@ -113,6 +113,12 @@ class AttentionBudget(MethodSettings):
         return k
 
 
+class ParameterBudget(MethodSettings):
+    """A budget in parameters: ``sparsity``, the share of the decoder blocks' projection weights removed."""
+
+    sparsity: float = Field(0.2, gt=0, lt=1, description="share of the blocks' projection weights removed (default 0.2)")
+
+
 class SpanSelection(BlockBudget):
     """Contiguous spans: several spans sharing the budget, or one at a fixed start."""
 
@@ -347,7 +353,7 @@ class PruneComp(RefitStage, BlockBudget):
     runner: ClassVar[str] = "blockfold.methods.prune_comp:compress_prune_comp"
     planner: ClassVar[str | None] = "blockfold.methods.prune_comp:plan_prune_comp"
     importance: Literal["block_influence", "perplexity"] = Field(
-        "block_influence", description="which block goes first")
+        "block_influence", description="ranking")
     compensate: bool = Field(True, description="fold the magnitude compensation")
 
 
@@ -397,10 +403,21 @@ class Streamline(BlockBudget):
                                  json_schema_extra={"flag": "lr"})
 
 
+class SvdLlm(ParameterBudget):
+    """SVD-LLM: every projection of the blocks as two low-rank factors, truncated where its output on the
+    calibration data loses least (a width baseline: not a standard checkpoint, the modeling code ships with it)."""
+
+    method: ClassVar[str] = "svd-llm"
+    runner: ClassVar[str] = "blockfold.methods.svd_llm:compress_svd_llm"
+    planner: ClassVar[str | None] = "blockfold.methods.svd_llm:plan_svd_llm"
+    writes_standard_checkpoint: ClassVar[bool] = False
+    whitening: bool = Field(True, description="whiten by the inputs' moments (off: plain SVD)")
+
+
 #: the registry: method name → its settings class (the first is the default method)
 SETTINGS: dict[str, type[MethodSettings]] = {
     cls.method: cls for cls in (ReplaceMe, UIDL, NBL, NBLBlock, DropAttention, DropBlock, SLEB, PruneComp, LaCo,
-                                LinearPatch, Streamline)
+                                LinearPatch, Streamline, SvdLlm)
 }
 DEFAULT_METHOD = next(iter(SETTINGS))
 

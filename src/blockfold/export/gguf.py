@@ -143,10 +143,13 @@ def _plan(model: Path, quant: str, tokenizer_pre: str | None = None) -> _Plan:
                              "bitsandbytes, not float): export the float model's compressed output, or compress the "
                              "model's GGUF file and export that with --quant source")
     if model_type.startswith("blockfold_"):
+        what = ("stores its projections as two low-rank factors (SVD-LLM), which no llama.cpp architecture expresses"
+                if getattr(config, "blockfold_low_rank", None) else
+                "replaces sublayers by linear maps (NBL), which no llama.cpp architecture expresses (a layer whose "
+                "attention is `W x + b` with no KV cache)")
         raise BlockfoldError(
-            f"{model} replaces sublayers by linear maps (NBL), which no llama.cpp architecture expresses (a layer "
-            "whose attention is `W x + b` with no KV cache): serve it with transformers, or export the output of a "
-            f"method that writes a standard checkpoint ({', '.join(methods_where(lambda m: m.writes_standard_checkpoint))})")
+            f"{model} {what}: serve it with transformers, or export the output of a method that writes a standard "
+            f"checkpoint ({', '.join(methods_where(lambda m: m.writes_standard_checkpoint))})")
     if getattr(config, "text_config", None) is not None and model_type not in ARCHITECTURES:
         raise BlockfoldError(f"{model} is a multimodal checkpoint ({model_type!r}): llama.cpp takes its language model "
                              "and its vision projector as two files (a GGUF and an mmproj), which blockfold does not "

@@ -56,6 +56,14 @@ def _what_was_done(manifest: dict) -> str:
     calibration = manifest.get("calibration") or {}
     data = (f"{calibration.get('sequences')} x {calibration.get('sequence_length')} tokens of "
             f"`{calibration.get('source')}`") if calibration else "calibration text"
+    low_rank = manifest.get("low_rank")
+    if low_rank:
+        before_count, after_count = low_rank["projection_parameters"]
+        how = (f"truncated where its output on {data} loses least (the SVD of the weight whitened by its inputs' "
+               "second moment)") if low_rank["whitening"] else "truncated by the plain SVD of the weight"
+        return (f"Every linear projection of the {before} blocks was stored as two low-rank factors (SVD-LLM), "
+                f"{how}: {before_count:,} -> {after_count:,} projection parameters, ranks "
+                + ", ".join(f"{name} {rank}" for name, rank in low_rank["ranks"].items()) + ".")
     if replaced.get("layers"):
         what = "attention sublayers" if replaced.get("target") == "attention" else "blocks"
         how = ("replaced by linear maps `W x + b` fitted on " + data + " (LMMSE); replaced attention layers keep no "
@@ -145,7 +153,8 @@ def model_card(manifest: dict, folder: Path, name: str, license_name: str | None
     multimodal = (manifest.get("architecture") or {}).get("multimodal")
     vision = (manifest.get("architecture") or {}).get("vision", False)
     front = {"license": license_name or "other", "library_name": "transformers",
-             "tags": ["blockfold", method, "depth-pruning" if not manifest.get("replaced") else "linearized-layers"]}
+             "tags": ["blockfold", method, "low-rank" if manifest.get("low_rank") else
+                      "depth-pruning" if not manifest.get("replaced") else "linearized-layers"]}
     load_args = f'"{name}"' + (", trust_remote_code=True" if remote_code else "")
     lines = ["---", yaml.safe_dump(front, sort_keys=False).strip(), "---", "",
              f"# {name}", "",
@@ -162,6 +171,12 @@ def model_card(manifest: dict, folder: Path, name: str, license_name: str | None
         lines += [f"A standard `{architecture}` checkpoint: its language model has fewer layers and no new parameters, "
                   "its vision encoder and projector are the source's, byte for byte. Plain transformers and vLLM load it "
                   "as they load the source:", "", "```bash", f"vllm serve {name}", "```", ""]
+    elif remote_code and manifest.get("low_rank"):
+        lines += [f"The factored projections need the modeling code shipped in this folder (`modeling_blockfold.py`, "
+                  f"classes registered as `{architecture}`): load with `trust_remote_code=True`; blockfold itself is "
+                  "not needed. Neither vLLM (blockfold's plugin serves linearized layers, not factored projections) nor "
+                  "llama.cpp (no architecture of it stores a projection as two factors) can load it: serve it with "
+                  "transformers.", ""]
     elif remote_code:
         lines += [f"The replaced layers need the modeling code shipped in this folder (`modeling_blockfold.py`, "
                   f"classes registered as `{architecture}`): load with `trust_remote_code=True`; blockfold itself is "
