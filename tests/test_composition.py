@@ -34,7 +34,7 @@ from blockfold.cli import main, setting_flags
 from blockfold.errors import BlockfoldError
 from blockfold.pipelines import persist
 from blockfold.runtime import DTYPES, Execution
-from blockfold.settings import SETTINGS, AttentionBudget, ParameterBudget, RefitStage
+from blockfold.settings import SETTINGS, AttentionBudget, BlockBudget, ParameterBudget, RefitStage
 
 ARCHITECTURES = ("llama", "gemma3_text", "qwen2_moe")
 
@@ -56,6 +56,7 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "replaceme+heal": ("replaceme", {}),
     "laco": ("laco", {"merge_layers": 2}),
     "streamline": ("streamline", {"train_steps": 2}),
+    "slicegpt": ("slicegpt", {"slicing": 0.25}),  # a width of its own: the share of the hidden size sliced
 }
 #: per-tensor tolerance, relative to the tensor's largest entry: closed forms, and numerical fits
 #: (Adam, L-BFGS), which amplify the last bits of sums added in another order
@@ -78,7 +79,8 @@ def _cases() -> dict[str, tuple[str, dict]]:
     cases = {}
     for method, settings_class in SETTINGS.items():
         budget = ({"attention_layers": 2} if issubclass(settings_class, AttentionBudget)
-                  else {"sparsity": 0.3} if issubclass(settings_class, ParameterBudget) else {"blocks": 2})
+                  else {"sparsity": 0.3} if issubclass(settings_class, ParameterBudget)
+                  else {"blocks": 2} if issubclass(settings_class, BlockBudget) else {})
         variants = {name: extra for name, (of, extra) in VARIANTS.items() if of == method} or {method: {}}
         for name, extra in variants.items():
             cases[name] = (method, {**budget, **extra})
@@ -190,8 +192,8 @@ def mode_recipe_file(workspace, case, arch, out, capsys, monkeypatch) -> Outcome
 def mode_recipe_file_and_flags(workspace, case, arch, out, capsys, monkeypatch) -> Outcome:
     """A file with another budget and calibration size, the case's given back as flags."""
     recipe = workspace.recipe(case, num_sequences=3)
-    budget = next(key for key in ("attention_layers", "sparsity", "blocks") if key in recipe["settings"])
-    recipe["settings"] = {**recipe["settings"], budget: 0.1 if budget == "sparsity" else 1}
+    budget = next(key for key in ("attention_layers", "sparsity", "slicing", "blocks") if key in recipe["settings"])
+    recipe["settings"] = {**recipe["settings"], budget: 0.1 if budget in ("sparsity", "slicing") else 1}
     path = out.parent / f"{out.name}.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(recipe))

@@ -18,7 +18,7 @@ _EXPORTS = {
     **dict.fromkeys(("CalibrationConfig", "Recipe"), "blockfold.recipe"),
     "Execution": "blockfold.runtime",
     **dict.fromkeys(("NBL", "SLEB", "UIDL", "DropAttention", "DropBlock", "LaCo", "LinearPatch", "NBLBlock", "PruneComp",
-                     "ReplaceMe", "Streamline", "SvdLlm"), "blockfold.settings"),
+                     "ReplaceMe", "SliceGPT", "Streamline", "SvdLlm"), "blockfold.settings"),
 }
 
 __all__ = sorted([*_EXPORTS, "__version__"])

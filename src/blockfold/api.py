@@ -112,7 +112,7 @@ def provenance(command: list[str] | str) -> dict:
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), **environment()}
 
 
-def count_parameters(model: PreTrainedModel) -> int:
+def count_parameters(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
@@ -214,6 +214,7 @@ def compress(
     handle.adapter.prepare(handle)
     original_layers = handle.num_layers()
     original_parameters = count_parameters(handle.model)
+    original_block_parameters = count_parameters(handle.adapter.layers(handle.model))
     source_fingerprint = handle.fingerprint()
     if calibration is None:
         if not handle.resident and any(name == SELF_GENERATED for name, _ in calibration_sources(recipe.calibration.source)):
@@ -251,6 +252,9 @@ def compress(
         "num_layers": handle.num_layers(),
         "original_parameters": original_parameters,
         "parameters": count_parameters(handle.model),
+        # the share of parameters removed, of the decoder blocks' and of the whole model's (embeddings, head)
+        "sparsity": {"blocks": 1 - count_parameters(handle.adapter.layers(handle.model)) / original_block_parameters,
+                     "model": 1 - count_parameters(handle.model) / original_parameters},
         **details,
         "calibration": calibration.description,
         "recipe": recipe.saved(),

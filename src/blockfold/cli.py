@@ -23,7 +23,7 @@ DEFAULT_PPL_TEXT = DATA_DIR / "wikitext2_test.txt"
 # CLI flag → field of the calibration config (the rarer fields: --set calibration.FIELD=VALUE)
 CALIBRATION_FLAGS = {"calib": "source", "num_seqs": "num_sequences", "seq_len": "sequence_length",
                      "calib_docs": "max_documents", "batch_size": "batch_size", "seed": "seed"}
-BUDGET_FIELDS = ("blocks", "attention_layers", "ratio", "sparsity")
+BUDGET_FIELDS = ("blocks", "attention_layers", "ratio", "sparsity", "slicing")
 # flags that became --set keys, kept for one release
 MOVED_TO_SET = {"--cosine-l1": "cosine.l1_penalty", "--cosine-tokens": "cosine.max_tokens",
                 "--cosine-steps": "cosine.steps", "--text-template": "calibration.text_template",
@@ -566,7 +566,9 @@ def cmd_compress(args) -> int:
         ("method", recipe.method + detail),
         _changes(manifest),
         ("parameters", f"{manifest['original_parameters'] / 1e6:.1f}M -> {manifest['parameters'] / 1e6:.1f}M "
-                       f"({manifest['parameters'] / manifest['original_parameters']:.3f}x)"),
+                       f"({manifest['parameters'] / manifest['original_parameters']:.3f}x; sparsity "
+                       f"{manifest['sparsity']['blocks']:.1%} of the blocks', {manifest['sparsity']['model']:.1%} "
+                       "of the model's)"),
         *([(f"selection ({selection['criterion']})", f"{selection['score']:.4f}")] if "score" in selection else []),
         *([("best candidates", _candidates(selection))] if selection.get("candidates") else []),
         ("calibration", f"{manifest['calibration']['source']}: {manifest['calibration']['sequences']} seqs, "
@@ -612,7 +614,10 @@ def cmd_compress(args) -> int:
 def _changes(manifest: dict) -> tuple[str, str]:
     from blockfold.select import span_label
 
-    replaced, low_rank = manifest.get("replaced"), manifest.get("low_rank")
+    replaced, low_rank, sliced = manifest.get("replaced"), manifest.get("low_rank"), manifest.get("sliced")
+    if sliced:
+        before, after = sliced["hidden_size"]
+        return ("hidden size", f"{before} -> {after}, each layer's stream rotated to its principal directions")
     if low_rank:
         before, after = low_rank["projection_parameters"]
         return ("projections", f"every block's as two low-rank factors, {1 - after / before:.1%} of their weights "

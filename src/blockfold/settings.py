@@ -213,7 +213,7 @@ class ReplaceMe(RefitStage, SpanSelection):
     rank: int | None = Field(None, ge=1, description="lowrank: rank of the correction")
     ridge_alpha: float = Field(0.0, ge=0, description="L2 penalty of the fit, per token")
     sandwich_fold: Literal["auto", "compare", "linearized-norm", "through-norm"] = Field(
-        "auto", description="fold past a post-MLP norm")
+        "auto", description="how it folds")
     cosine: CosineConfig = Field(default_factory=CosineConfig, description="the cosine estimator's numerical fit")
 
     def describe(self, selection: dict) -> str:
@@ -414,10 +414,21 @@ class SvdLlm(ParameterBudget):
     whitening: bool = Field(True, description="whiten by the inputs' moments (off: plain SVD)")
 
 
+class SliceGPT(MethodSettings):
+    """SliceGPT: each layer's residual stream rotated into its principal directions and the least used sliced
+    away (a width baseline: not a standard checkpoint, the modeling code ships with it)."""
+
+    method: ClassVar[str] = "slicegpt"
+    runner: ClassVar[str] = "blockfold.methods.slicegpt:compress_slicegpt"
+    planner: ClassVar[str | None] = "blockfold.methods.slicegpt:plan_slicegpt"
+    writes_standard_checkpoint: ClassVar[bool] = False
+    slicing: float = Field(0.25, ge=0, lt=1, description="share of the hidden dimension sliced away (default 0.25)")
+
+
 #: the registry: method name → its settings class (the first is the default method)
 SETTINGS: dict[str, type[MethodSettings]] = {
     cls.method: cls for cls in (ReplaceMe, UIDL, NBL, NBLBlock, DropAttention, DropBlock, SLEB, PruneComp, LaCo,
-                                LinearPatch, Streamline, SvdLlm)
+                                LinearPatch, Streamline, SvdLlm, SliceGPT)
 }
 DEFAULT_METHOD = next(iter(SETTINGS))
 

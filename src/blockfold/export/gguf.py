@@ -145,6 +145,8 @@ def _plan(model: Path, quant: str, tokenizer_pre: str | None = None) -> _Plan:
     if model_type.startswith("blockfold_"):
         what = ("stores its projections as two low-rank factors (SVD-LLM), which no llama.cpp architecture expresses"
                 if getattr(config, "blockfold_low_rank", None) else
+                "maps the residual stream into a basis of its own at each block (SliceGPT), which no llama.cpp "
+                "architecture expresses" if getattr(config, "blockfold_sliced", None) else
                 "replaces sublayers by linear maps (NBL), which no llama.cpp architecture expresses (a layer whose "
                 "attention is `W x + b` with no KV cache)")
         raise BlockfoldError(

@@ -252,17 +252,28 @@ class ModelHandle:
     # -- editing ----------------------------------------------------------------------------
     @torch.no_grad()
     def transform(self, owner: nn.Module, attr: str, edit: Edit) -> None:
-        """Record ``edit`` (float64 tensor → float64 tensor, on whatever device it is given) for
-        ``owner.attr``; a real tensor is updated at once, a placeholder when next materialized. A
-        bitsandbytes 4-bit layer becomes a plain linear layer first (``models/quantized.py``)."""
+        """Record ``edit`` (float64 tensor → float64 tensor, on whatever device it is given, the meta
+        device included) for ``owner.attr``; a real tensor is updated at once, a placeholder when next
+        materialized. An edit may change the tensor's shape (a slice of the hidden dimension): the
+        parameter is then replaced, placeholder by placeholder. A bitsandbytes 4-bit layer becomes a
+        plain linear layer first (``models/quantized.py``)."""
         if is_quantized_linear(owner):  # edited in float: the layer is dequantized once, saved unquantized
             weight = dequantized_weight(owner)
             make_plain_linear(owner, weight.to(self.device, self.dtype))
             self.own(owner, "weight", weight)
         self.store.edits.setdefault(owner, {}).setdefault(attr, []).append(edit)
         param = owner._parameters[attr]
-        if not _is_placeholder(param):
-            param.copy_(edit(param.double()).to(param.dtype))
+        if _is_placeholder(param):
+            shape = edit(torch.empty(param.shape, dtype=torch.float64, device="meta")).shape
+            if shape != param.shape:
+                owner._parameters[attr] = nn.Parameter(torch.empty(shape, dtype=param.dtype, device="meta"),
+                                                       requires_grad=False)
+            return
+        edited = edit(param.double()).to(param.dtype)
+        if edited.shape == param.shape:
+            param.copy_(edited)
+        else:
+            owner._parameters[attr] = nn.Parameter(edited, requires_grad=False)
 
     @torch.no_grad()
     def own(self, owner: nn.Module, attr: str, value: torch.Tensor) -> None:

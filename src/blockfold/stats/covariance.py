@@ -69,3 +69,50 @@ class InputCovariance:
     def covariance(self, index: int, name: str) -> torch.Tensor:
         """``Σ x xᵀ`` of what projection ``name`` of layer ``index`` reads (float64, not divided by the count)."""
         return next(gram for key, gram in self._gram[index].items() if name in key.split("+"))
+
+
+class StreamCovariance:
+    """Observer: ``Σ h hᵀ`` of the residual stream each block's two sublayers read (the block's input and
+    the stream after its attention half, pooled), per layer: SliceGPT's per-layer principal directions."""
+
+    SUMS = ("tokens", "_gram")
+    ROWS = ()
+
+    def __init__(self, num_layers: int, layers: list[int] | None = None):
+        self.num_layers = num_layers
+        self.layers = sorted(layers) if layers is not None else list(range(num_layers))
+        self.last_layer = max(self.layers)
+        self.tokens = [0] * num_layers
+        self._gram: list[dict[str, torch.Tensor]] = [{} for _ in range(num_layers)]
+
+    @staticmethod
+    def sums_bytes_for(num_layers: int, hidden_size: int) -> int:
+        return num_layers * hidden_size * hidden_size * 8
+
+    def sums_bytes(self, hidden_size: int) -> int:
+        return self.sums_bytes_for(len(self.layers), hidden_size)
+
+    def window_bytes_per_token(self, hidden_size: int, element: int = 4) -> int:
+        return 2 * hidden_size * 8  # the float64 copies of one layer's two streams
+
+    def on_layer(self, acts: LayerActivations) -> None:
+        if acts.index not in self.layers:
+            return
+        index = acts.index
+        streams = torch.cat([acts.block_in.double(), acts.attn_residual.double()])
+        add_sum(self._gram[index], "stream", streams.T @ streams)
+        self.tokens[index] += acts.block_in.shape[0]
+
+    def end_batch(self) -> None:
+        """Nothing is carried from one layer to the next."""
+
+    def merge(self, other: "StreamCovariance") -> "StreamCovariance":
+        for index in range(self.num_layers):
+            self.tokens[index] += other.tokens[index]
+            for name, gram in other._gram[index].items():
+                add_sum(self._gram[index], name, gram)
+        return self
+
+    def covariance(self, index: int) -> torch.Tensor:
+        """``Σ h hᵀ`` of layer ``index``'s two streams (float64, not divided by the count)."""
+        return self._gram[index]["stream"]

@@ -56,7 +56,15 @@ def _what_was_done(manifest: dict) -> str:
     calibration = manifest.get("calibration") or {}
     data = (f"{calibration.get('sequences')} x {calibration.get('sequence_length')} tokens of "
             f"`{calibration.get('source')}`") if calibration else "calibration text"
-    low_rank = manifest.get("low_rank")
+    low_rank, sliced = manifest.get("low_rank"), manifest.get("sliced")
+    if sliced:
+        width, kept = sliced["hidden_size"]
+        return (f"The residual stream of each of the {before} blocks was rotated into its principal directions on "
+                f"{data} and sliced from {width} to {kept} dimensions (SliceGPT): every weight that reads or writes "
+                "the stream lost rows or columns, the norms' gains were folded into the weights that read them, and "
+                "each block maps the stream into its own basis with a square matrix on entry"
+                + (" (one more after the final norm, for the tied embeddings)" if sliced["tied_head_map"] else "")
+                + ".")
     if low_rank:
         before_count, after_count = low_rank["projection_parameters"]
         how = (f"truncated where its output on {data} loses least (the SVD of the weight whitened by its inputs' "
@@ -153,7 +161,7 @@ def model_card(manifest: dict, folder: Path, name: str, license_name: str | None
     multimodal = (manifest.get("architecture") or {}).get("multimodal")
     vision = (manifest.get("architecture") or {}).get("vision", False)
     front = {"license": license_name or "other", "library_name": "transformers",
-             "tags": ["blockfold", method, "low-rank" if manifest.get("low_rank") else
+             "tags": ["blockfold", method, "low-rank" if manifest.get("low_rank") else "sliced" if manifest.get("sliced") else
                       "depth-pruning" if not manifest.get("replaced") else "linearized-layers"]}
     load_args = f'"{name}"' + (", trust_remote_code=True" if remote_code else "")
     lines = ["---", yaml.safe_dump(front, sort_keys=False).strip(), "---", "",
@@ -171,12 +179,12 @@ def model_card(manifest: dict, folder: Path, name: str, license_name: str | None
         lines += [f"A standard `{architecture}` checkpoint: its language model has fewer layers and no new parameters, "
                   "its vision encoder and projector are the source's, byte for byte. Plain transformers and vLLM load it "
                   "as they load the source:", "", "```bash", f"vllm serve {name}", "```", ""]
-    elif remote_code and manifest.get("low_rank"):
-        lines += [f"The factored projections need the modeling code shipped in this folder (`modeling_blockfold.py`, "
-                  f"classes registered as `{architecture}`): load with `trust_remote_code=True`; blockfold itself is "
-                  "not needed. Neither vLLM (blockfold's plugin serves linearized layers, not factored projections) nor "
-                  "llama.cpp (no architecture of it stores a projection as two factors) can load it: serve it with "
-                  "transformers.", ""]
+    elif remote_code and (manifest.get("low_rank") or manifest.get("sliced")):
+        what = "factored projections" if manifest.get("low_rank") else "maps between the blocks' bases"
+        lines += [f"The {what} need the modeling code shipped in this folder (`modeling_blockfold.py`, classes "
+                  f"registered as `{architecture}`): load with `trust_remote_code=True`; blockfold itself is not "
+                  f"needed. Neither vLLM (blockfold's plugin serves linearized layers only) nor llama.cpp (no "
+                  f"architecture of it has {what}) can load it: serve it with transformers.", ""]
     elif remote_code:
         lines += [f"The replaced layers need the modeling code shipped in this folder (`modeling_blockfold.py`, "
                   f"classes registered as `{architecture}`): load with `trust_remote_code=True`; blockfold itself is "

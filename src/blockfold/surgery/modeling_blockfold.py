@@ -24,6 +24,15 @@ A second field, ``blockfold_low_rank``, lists projections stored as two factors 
 The ``nn.Linear`` at that dotted path in the decoder layer becomes ``LowRankLinear``: ``x ↦ B (A x) + b``
 with ``A`` (r × in) and ``B`` (out × r), whose weights are ``<module>.first.weight`` and
 ``<module>.second.weight`` (and ``.second.bias`` where the projection had a bias).
+
+A third, ``blockfold_sliced`` (SliceGPT), describes a model whose residual stream was rotated and sliced
+to ``hidden_size`` dimensions, in a basis of its own at each layer:
+
+    {"shortcuts": [layer indices], "head_map": bool}
+
+Each listed layer first maps the stream it receives into its own basis (``layers.i.blockfold_shortcut``,
+a square linear map without bias); with ``head_map``, the final norm's output passes one more such map
+(``norm.blockfold_head_map``) before the LM head, which the embeddings' tied weights then fit.
 """
 
 from __future__ import annotations
@@ -68,6 +77,7 @@ except ImportError:  # transformers < 5.20; vLLM's pinned one loads only the con
 
 LINEARIZED_FIELD = "blockfold_linearized"
 LOW_RANK_FIELD = "blockfold_low_rank"
+SLICED_FIELD = "blockfold_sliced"
 
 
 def _cache_of(past_key_values, kwargs: dict):
@@ -190,6 +200,39 @@ def factor_projection(layer: nn.Module, entry: dict, device=None) -> LowRankLine
     return factored
 
 
+def _apply_shortcut(layer: nn.Module, args: tuple, kwargs: dict):
+    """A layer's forward pre-hook: its input stream mapped into the layer's basis."""
+    if args:
+        return (layer.blockfold_shortcut(args[0]), *args[1:]), kwargs
+    return args, {**kwargs, "hidden_states": layer.blockfold_shortcut(kwargs["hidden_states"])}
+
+
+def _apply_head_map(norm: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+    """The final norm's forward hook: its output mapped into the basis of the (tied) LM head."""
+    return norm.blockfold_head_map(output)
+
+
+def attach_slicing(model: nn.Module, config, device=None) -> list[nn.Linear]:
+    """Give a model built from a ``blockfold_sliced`` config its shortcut maps (and head map); returns
+    them, shortcuts in layer order, the head map last."""
+    entry = getattr(config, SLICED_FIELD, None)
+    if not entry:
+        return []
+    width, base = config.hidden_size, model.base_model
+    dtype = base.norm.weight.dtype
+    added = []
+    for index in entry["shortcuts"]:
+        layer = base.layers[index]
+        layer.blockfold_shortcut = nn.Linear(width, width, bias=False, device=device, dtype=dtype)
+        layer.register_forward_pre_hook(_apply_shortcut, with_kwargs=True)
+        added.append(layer.blockfold_shortcut)
+    if entry.get("head_map"):
+        base.norm.blockfold_head_map = nn.Linear(width, width, bias=False, device=device, dtype=dtype)
+        base.norm.register_forward_hook(_apply_head_map)
+        added.append(base.norm.blockfold_head_map)
+    return added
+
+
 class _Linearized:
     """Mixin for a causal-LM class: build the stock model, then apply the config's replacements."""
 
@@ -200,6 +243,7 @@ class _Linearized:
             linearize_layer(layers[entry["layer"]], entry, config.hidden_size)
         for entry in getattr(config, LOW_RANK_FIELD, None) or ():
             factor_projection(layers[entry["layer"]], entry)
+        attach_slicing(self, config)
 
 
 class BlockfoldLlamaConfig(LlamaConfig):

@@ -1,0 +1,85 @@
+"""SliceGPT: rotating each layer's stream is exact (slicing nothing reproduces the model), slicing keeps the
+principal directions, the families it cannot rotate are refused in one line, and the sliced checkpoint
+loads and generates without blockfold, tied embeddings included."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import TINY_CONFIGS, generate_without_blockfold, random_calibration, tiny_model, tiny_tokenizer
+from transformers import AutoModelForCausalLM
+
+import blockfold
+from blockfold.errors import BlockfoldError
+from blockfold.methods.slicegpt import principal_directions, sliced_width
+
+ROTATABLE = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+
+
+def _tied(arch: str):
+    """A tiny model of ``arch`` whose LM head is its embeddings (as SmolLM2's and Gemma's are)."""
+    torch.manual_seed(0)
+    config = TINY_CONFIGS[arch]()
+    config.tie_word_embeddings = True
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(0.3 * torch.randn_like(param))
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    return model
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(ids).logits
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("arch", ROTATABLE)
+def test_slicing_nothing_reproduces_the_model(arch, tied):
+    model = _tied(arch) if tied else tiny_model(arch)
+    ids = torch.randint(4, 90, (2, 20), generator=torch.Generator().manual_seed(0))
+    expected = _logits(model, ids)
+    result = blockfold.compress(copy.deepcopy(model), tiny_tokenizer(), blockfold.SliceGPT(slicing=0.0),
+                                calibration=random_calibration(16, 32))
+    assert float((_logits(result.handle.model, ids) - expected).abs().max()) <= 1e-4 * float(expected.abs().max())
+    assert result.manifest["sliced"]["tied_head_map"] == tied
+
+
+@pytest.mark.parametrize("arch", ["gemma3_text", "qwen2_moe", "phi", "gpt_neox", "cohere"])
+def test_a_family_it_cannot_rotate_is_refused_in_one_line(arch):
+    with pytest.raises(BlockfoldError, match="slicegpt cannot rotate") as error:
+        blockfold.compress(tiny_model(arch), tiny_tokenizer(), blockfold.SliceGPT(),
+                           calibration=random_calibration(8, 24))
+    assert "\n" not in str(error.value)
+
+
+def test_the_kept_width_is_a_multiple_of_eight_where_the_hidden_size_is():
+    assert sliced_width(576, 0.25) == 432 and sliced_width(1536, 0.3) == 1072 and sliced_width(30, 0.5) == 15
+
+
+def test_principal_directions_are_orthogonal_and_ordered_by_variance():
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(500, 16, generator=generator, dtype=torch.float64) * torch.linspace(3, 0.1, 16, dtype=torch.float64)
+    basis = principal_directions(x.T @ x)
+    assert torch.allclose(basis.T @ basis, torch.eye(16, dtype=torch.float64), atol=1e-10)
+    variances = ((x @ basis) ** 2).sum(0)
+    assert bool((variances[:-1] >= variances[1:]).all())
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_a_sliced_model_saves_loads_and_generates_without_blockfold(tmp_path, tied):
+    model = _tied("llama") if tied else tiny_model("llama")
+    original_width = model.config.hidden_size
+    result = blockfold.compress(model, tiny_tokenizer(), blockfold.SliceGPT(slicing=0.25),
+                                calibration=random_calibration(16, 32))
+    assert result.manifest["sliced"]["hidden_size"] == [original_width, sliced_width(original_width, 0.25)]
+    assert result.manifest["parameters"] < result.manifest["original_parameters"]
+    result.save(tmp_path / "out")
+    ids = [[5, 6, 7, 8]]
+    with torch.no_grad():
+        in_memory = result.handle.model.generate(torch.tensor(ids), max_new_tokens=10, do_sample=False, pad_token_id=0)
+    assert generate_without_blockfold(tmp_path / "out", ids, tmp_path) == in_memory.tolist()
