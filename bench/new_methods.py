@@ -35,7 +35,7 @@ from blockfold.eval.tasks import evaluate_tasks, relative_performance
 from blockfold.jsonfile import write_json
 from blockfold.pipelines import Runner
 from blockfold.recipe import CalibrationConfig, Recipe
-from blockfold.settings import SETTINGS, ParameterBudget
+from blockfold.settings import SETTINGS, BlockBudget
 from blockfold.stats import SpanStatistics
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -179,7 +179,8 @@ def main() -> None:
         counted = count_block_tokens(model)
         method_calibration = sleb_calibration if method == "sleb" and "score_sequences" not in settings else calibration
         started = time.perf_counter()
-        budget = {} if issubclass(SETTINGS[method], ParameterBudget) else {"blocks": args.blocks}  # sparsity: its own
+        # a width method keeps its own budget (sparsity, slicing), which the row's settings give
+        budget = {"blocks": args.blocks} if issubclass(SETTINGS[method], BlockBudget) else {}
         result = blockfold.compress(model, loaded.tokenizer, Recipe.parse({"method": method, **budget, **settings}),
                                     calibration=method_calibration)
         seconds = time.perf_counter() - started
