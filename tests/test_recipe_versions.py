@@ -2,7 +2,7 @@
 
 ``tests/data/recipes`` holds the recipe blockfold 0.2.0 (main of 2026-12-06) saved for each method, as
 it writes one beside every output; a method added later, the recipe main saved the day it was added
-(svd-llm, slicegpt: 2026-12-07). A saved recipe names every value, so no default of a later
+(svd-llm, slicegpt, llm-pruner: 2026-12-07). A saved recipe names every value, so no default of a later
 blockfold is consulted when it is replayed; ``recipe_version`` changes only with the schema."""
 
 from __future__ import annotations

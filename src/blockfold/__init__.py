@@ -17,7 +17,7 @@ _EXPORTS = {
     **dict.fromkeys(("ModelHandle", "load_model"), "blockfold.models"),
     **dict.fromkeys(("CalibrationConfig", "Recipe"), "blockfold.recipe"),
     "Execution": "blockfold.runtime",
-    **dict.fromkeys(("NBL", "SLEB", "UIDL", "DropAttention", "DropBlock", "LaCo", "LinearPatch", "NBLBlock", "PruneComp",
+    **dict.fromkeys(("NBL", "SLEB", "UIDL", "DropAttention", "DropBlock", "LaCo", "LinearPatch", "LLMPruner", "NBLBlock", "PruneComp",
                      "ReplaceMe", "SliceGPT", "Streamline", "SvdLlm"), "blockfold.settings"),
 }
 

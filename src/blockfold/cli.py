@@ -10,6 +10,7 @@ import os
 import shutil
 import signal
 import sys
+import textwrap
 import threading
 import time
 from pathlib import Path
@@ -150,6 +151,10 @@ class _CompactHelp(argparse.HelpFormatter):
         # a terminal's own width; piped (docs, `| less`), 100 columns
         super().__init__(prog, max_help_position=30, width=shutil.get_terminal_size((100, 24)).columns)
 
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        """Wrapped at spaces only: a method's name (prune-comp) stays whole."""
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
     def _format_action_invocation(self, action: argparse.Action) -> str:
         if isinstance(action, argparse.BooleanOptionalAction):
             return "--[no-]" + action.option_strings[0].removeprefix("--")
@@ -223,13 +228,14 @@ def _add_method_settings(p: argparse.ArgumentParser) -> None:
     from blockfold.settings import DEFAULT_METHOD, SETTINGS, RefitStage
 
     flags = setting_flags()
-    group = p.add_argument_group("method and budget")
+    budget_title = f"method (default {DEFAULT_METHOD}) and budget"
+    group = p.add_argument_group(budget_title)
     group.add_argument("--method", metavar="METHOD",  # checked with the recipe: a wrong name is one line naming them
-                       help=f"{DEFAULT_METHOD} (default), {', '.join(list(SETTINGS)[1:])}")
-    groups = {"method and budget": group}
+                       help=", ".join(SETTINGS))
+    groups = {budget_title: group}
     for dest, (field, methods) in flags.items():
         if field in BUDGET_FIELDS:
-            title = "method and budget"
+            title = budget_title
         elif field in RefitStage.model_fields:
             title = f"refit stage ({', '.join(methods)})"
         else:
@@ -615,6 +621,14 @@ def _changes(manifest: dict) -> tuple[str, str]:
     from blockfold.select import span_label
 
     replaced, low_rank, sliced = manifest.get("replaced"), manifest.get("low_rank"), manifest.get("sliced")
+    pruned = manifest.get("pruned")
+    if pruned:
+        blocks = list(pruned["blocks"].values())
+        groups = sum(len(block["groups_kept"]) for block in blocks) / len(blocks)
+        channels = sum(block["channels_kept"] for block in blocks) / len(blocks)
+        return ("pruned", f"blocks {pruned['layers'][0]}-{pruned['layers'][-1]} keep {groups:.1f} of "
+                          f"{pruned['key_value_groups']} head groups, {channels:.0f} of {pruned['intermediate_size']} "
+                          "MLP channels (mean)")
     if sliced:
         before, after = sliced["hidden_size"]
         return ("hidden size", f"{before} -> {after}, each layer's stream rotated to its principal directions")

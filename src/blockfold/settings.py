@@ -208,7 +208,7 @@ class ReplaceMe(RefitStage, SpanSelection):
     estimator: Literal["lstsq", "diagonal", "orthogonal", "lowrank", "cosine", "identity"] = Field(
         "lstsq", description="the span's map (identity: none)")
     span_scoring: Literal["lstsq", "estimator", "compare"] | None = Field(
-        None, description="which map scores spans (compare: build both)")
+        None, description="scorer (compare: both)")
     shortlist: int = Field(1, ge=1, description="the N best spans apart, kept by held-out loss")
     rank: int | None = Field(None, ge=1, description="lowrank: rank of the correction")
     ridge_alpha: float = Field(0.0, ge=0, description="L2 penalty of the fit, per token")
@@ -425,10 +425,20 @@ class SliceGPT(MethodSettings):
     slicing: float = Field(0.25, ge=0, lt=1, description="share of the hidden dimension sliced away (default 0.25)")
 
 
+class LLMPruner(ParameterBudget):
+    """LLM-Pruner: attention head groups and MLP channels of the middle blocks pruned by their weights'
+    first-order Taylor importance on calibration gradients (a width baseline: ships its modeling code)."""
+
+    method: ClassVar[str] = "llm-pruner"
+    runner: ClassVar[str] = "blockfold.methods.llm_pruner:compress_llm_pruner"
+    planner: ClassVar[str | None] = "blockfold.methods.llm_pruner:plan_llm_pruner"
+    writes_standard_checkpoint: ClassVar[bool] = False
+
+
 #: the registry: method name → its settings class (the first is the default method)
 SETTINGS: dict[str, type[MethodSettings]] = {
     cls.method: cls for cls in (ReplaceMe, UIDL, NBL, NBLBlock, DropAttention, DropBlock, SLEB, PruneComp, LaCo,
-                                LinearPatch, Streamline, SvdLlm, SliceGPT)
+                                LinearPatch, Streamline, SvdLlm, SliceGPT, LLMPruner)
 }
 DEFAULT_METHOD = next(iter(SETTINGS))
 

@@ -56,7 +56,12 @@ def _what_was_done(manifest: dict) -> str:
     calibration = manifest.get("calibration") or {}
     data = (f"{calibration.get('sequences')} x {calibration.get('sequence_length')} tokens of "
             f"`{calibration.get('source')}`") if calibration else "calibration text"
-    low_rank, sliced = manifest.get("low_rank"), manifest.get("sliced")
+    low_rank, sliced, pruned = manifest.get("low_rank"), manifest.get("sliced"), manifest.get("pruned")
+    if pruned:
+        return (f"Blocks {pruned['layers'][0]}-{pruned['layers'][-1]} of {before} lost attention head groups (a "
+                "key-value head with its query heads) and MLP channels (LLM-Pruner), those whose weights mattered "
+                f"least to the next-token loss on {data} (first-order Taylor importance, |w · dL/dw|); each block "
+                "keeps its own number of heads and channels, recorded in the config.")
     if sliced:
         width, kept = sliced["hidden_size"]
         return (f"The residual stream of each of the {before} blocks was rotated into its principal directions on "
@@ -161,7 +166,8 @@ def model_card(manifest: dict, folder: Path, name: str, license_name: str | None
     multimodal = (manifest.get("architecture") or {}).get("multimodal")
     vision = (manifest.get("architecture") or {}).get("vision", False)
     front = {"license": license_name or "other", "library_name": "transformers",
-             "tags": ["blockfold", method, "low-rank" if manifest.get("low_rank") else "sliced" if manifest.get("sliced") else
+             "tags": ["blockfold", method, "low-rank" if manifest.get("low_rank") else "sliced" if manifest.get("sliced")
+                      else "structured-pruning" if manifest.get("pruned") else
                       "depth-pruning" if not manifest.get("replaced") else "linearized-layers"]}
     load_args = f'"{name}"' + (", trust_remote_code=True" if remote_code else "")
     lines = ["---", yaml.safe_dump(front, sort_keys=False).strip(), "---", "",
@@ -179,8 +185,9 @@ def model_card(manifest: dict, folder: Path, name: str, license_name: str | None
         lines += [f"A standard `{architecture}` checkpoint: its language model has fewer layers and no new parameters, "
                   "its vision encoder and projector are the source's, byte for byte. Plain transformers and vLLM load it "
                   "as they load the source:", "", "```bash", f"vllm serve {name}", "```", ""]
-    elif remote_code and (manifest.get("low_rank") or manifest.get("sliced")):
-        what = "factored projections" if manifest.get("low_rank") else "maps between the blocks' bases"
+    elif remote_code and (manifest.get("low_rank") or manifest.get("sliced") or manifest.get("pruned")):
+        what = ("factored projections" if manifest.get("low_rank") else "maps between the blocks' bases"
+                if manifest.get("sliced") else "blocks of different widths")
         lines += [f"The {what} need the modeling code shipped in this folder (`modeling_blockfold.py`, classes "
                   f"registered as `{architecture}`): load with `trust_remote_code=True`; blockfold itself is not "
                   f"needed. Neither vLLM (blockfold's plugin serves linearized layers only) nor llama.cpp (no "

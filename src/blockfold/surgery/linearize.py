@@ -18,6 +18,7 @@ from blockfold.surgery import modeling_blockfold as shipped
 LINEARIZED_FIELD = shipped.LINEARIZED_FIELD
 LOW_RANK_FIELD = shipped.LOW_RANK_FIELD
 SLICED_FIELD = shipped.SLICED_FIELD
+PRUNED_FIELD = shipped.PRUNED_FIELD
 
 
 def register_linearized_classes() -> None:
@@ -103,6 +104,34 @@ def factor_projections(handle: ModelHandle, factors: dict[tuple[int, str], tuple
 
 
 @torch.no_grad()
+def prune_projections(handle: ModelHandle, kept: dict[tuple[int, str], tuple[torch.Tensor | None, torch.Tensor | None]]) -> None:
+    """Keep only some rows (outputs) and columns (inputs) of each projection ``(layer, dotted name)``:
+    ``kept`` gives the indices of each (None: all). The weights are owned by the handle; the config
+    records the new shapes (``blockfold_pruned``), which the shipped modeling code rebuilds."""
+    model, adapter = handle.model, handle.adapter
+    config_class, model_class = _blockfold_classes(model)
+    layers = adapter.layers(model)
+    device = None if handle.resident else "meta"  # asked once: the first meta module would change the answer
+    entries = []
+    for (index, name), (rows, columns) in sorted(kept.items(), key=lambda item: item[0]):
+        linear = adapter.linear_projections(layers[index])[name]
+        weight = handle.saved_value(linear, "weight").double().cpu()
+        bias = handle.saved_value(linear, "bias").double().cpu() if linear.bias is not None else None
+        if rows is not None:
+            weight, bias = weight[rows], bias[rows] if bias is not None else None
+        if columns is not None:
+            weight = weight[:, columns]
+        entry = {"layer": index, "module": name, "shape": list(weight.shape)}
+        resized = shipped.resize_projection(layers[index], entry, device=device)
+        handle.own(resized, "weight", weight)
+        if bias is not None:
+            handle.own(resized, "bias", bias)
+        entries.append(entry)
+    setattr(model.config, PRUNED_FIELD, entries)
+    _become(model, config_class, model_class)
+
+
+@torch.no_grad()
 def attach_sliced(handle: ModelHandle, width: int, shortcuts: dict[int, torch.Tensor],
                   head_map: torch.Tensor | None) -> None:
     """Make ``handle``'s model, whose weights were rotated and sliced to ``width``, its blockfold class: the
@@ -127,7 +156,7 @@ def renumber_linearized(config, keep: list[int]) -> None:
     """After blocks were removed (``keep`` = old indices of the kept ones), renumber the entries of
     both fields (linear replacements and low-rank projections)."""
     new_index = {old: new for new, old in enumerate(keep)}
-    for field in (LINEARIZED_FIELD, LOW_RANK_FIELD):
+    for field in (LINEARIZED_FIELD, LOW_RANK_FIELD, PRUNED_FIELD):
         entries = getattr(config, field, None)
         if entries:
             setattr(config, field, [{**entry, "layer": new_index[entry["layer"]]}

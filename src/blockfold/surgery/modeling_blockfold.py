@@ -25,7 +25,14 @@ The ``nn.Linear`` at that dotted path in the decoder layer becomes ``LowRankLine
 with ``A`` (r × in) and ``B`` (out × r), whose weights are ``<module>.first.weight`` and
 ``<module>.second.weight`` (and ``.second.bias`` where the projection had a bias).
 
-A third, ``blockfold_sliced`` (SliceGPT), describes a model whose residual stream was rotated and sliced
+Another, ``blockfold_pruned`` (LLM-Pruner), lists projections whose weights lost rows or columns:
+
+    {"layer": i, "module": "mlp.gate_proj", "shape": [out, in]}
+
+The ``nn.Linear`` at that path is rebuilt at that shape (the attention keeps its heads' size and the
+ratio of query to key-value heads, so only the number of heads changes).
+
+A last one, ``blockfold_sliced`` (SliceGPT), describes a model whose residual stream was rotated and sliced
 to ``hidden_size`` dimensions, in a basis of its own at each layer:
 
     {"shortcuts": [layer indices], "head_map": bool}
@@ -78,6 +85,7 @@ except ImportError:  # transformers < 5.20; vLLM's pinned one loads only the con
 LINEARIZED_FIELD = "blockfold_linearized"
 LOW_RANK_FIELD = "blockfold_low_rank"
 SLICED_FIELD = "blockfold_sliced"
+PRUNED_FIELD = "blockfold_pruned"
 
 
 def _cache_of(past_key_values, kwargs: dict):
@@ -200,6 +208,20 @@ def factor_projection(layer: nn.Module, entry: dict, device=None) -> LowRankLine
     return factored
 
 
+def resize_projection(layer: nn.Module, entry: dict, device=None) -> nn.Linear:
+    """Apply one ``blockfold_pruned`` entry to a decoder layer, in place; returns the new module."""
+    *path, name = entry["module"].split(".")
+    owner = layer
+    for part in path:
+        owner = getattr(owner, part)
+    linear = getattr(owner, name)
+    out_features, in_features = entry["shape"]
+    resized = nn.Linear(in_features, out_features, bias=linear.bias is not None,
+                        device=device or linear.weight.device, dtype=linear.weight.dtype)
+    setattr(owner, name, resized)
+    return resized
+
+
 def _apply_shortcut(layer: nn.Module, args: tuple, kwargs: dict):
     """A layer's forward pre-hook: its input stream mapped into the layer's basis."""
     if args:
@@ -243,6 +265,8 @@ class _Linearized:
             linearize_layer(layers[entry["layer"]], entry, config.hidden_size)
         for entry in getattr(config, LOW_RANK_FIELD, None) or ():
             factor_projection(layers[entry["layer"]], entry)
+        for entry in getattr(config, PRUNED_FIELD, None) or ():
+            resize_projection(layers[entry["layer"]], entry)
         attach_slicing(self, config)
 
 

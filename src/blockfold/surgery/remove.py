@@ -6,7 +6,7 @@ from torch import nn
 
 from blockfold.adapters import DecoderAdapter
 from blockfold.errors import BlockfoldError
-from blockfold.surgery.linearize import LINEARIZED_FIELD, LOW_RANK_FIELD, renumber_linearized
+from blockfold.surgery.linearize import LINEARIZED_FIELD, LOW_RANK_FIELD, PRUNED_FIELD, renumber_linearized
 
 
 def _per_layer_fields(config, adapter: DecoderAdapter, num_layers: int) -> list[str]:
@@ -14,7 +14,7 @@ def _per_layer_fields(config, adapter: DecoderAdapter, num_layers: int) -> list[
     fields = [f for f in adapter.per_layer_config_fields if getattr(config, f, None) is not None]
     for name, value in vars(config).items():
         if (isinstance(value, (list, tuple)) and len(value) == num_layers and name not in fields
-                and name not in (LINEARIZED_FIELD, LOW_RANK_FIELD) and name not in adapter.layer_index_config_fields):
+                and name not in (LINEARIZED_FIELD, LOW_RANK_FIELD, PRUNED_FIELD) and name not in adapter.layer_index_config_fields):
             fields.append(name)
     return fields
 
