@@ -215,3 +215,22 @@ def test_sweep_compares_the_new_methods_in_one_run(tiny_and_corpus, tmp_path):
         assert len(run["removed_blocks"]) == 2 and run["perplexity"] > 0
         assert run["parameters"]["parameters"] < sweep["original"]["parameters"]["parameters"]
     assert main(["report", str(out)]) == 0
+
+
+def test_a_sweep_compares_width_methods_at_the_share_of_the_blocks_its_budget_removes(tiny_and_corpus, tmp_path):
+    """Issue #44: SVD-LLM, SliceGPT and LLM-Pruner in the same sweep column as a depth method: a budget of
+    2 of the 6 blocks is a sparsity (slicing) of 1/3, and every run states the sparsity it reached."""
+    folder, corpus = tiny_and_corpus
+    out = tmp_path / "run"
+    assert main(["sweep", "--model", str(folder), "--out", str(out), "--methods", "uidl,svd-llm,slicegpt,llm-pruner",
+                 "--blocks", "2", "--calib", str(corpus), "--num-seqs", "8", "--seq-len", "32", "--ppl", str(corpus),
+                 "--ppl-windows", "2"]) == 0
+    sweep = json.loads((out / "sweep.json").read_text())
+    runs = {run["method"]: run for run in sweep["runs"]}
+    assert runs["uidl"]["budget_kind"] == "blocks" and runs["uidl"]["budget_value"] == 2
+    for method, kind in (("svd-llm", "sparsity"), ("slicegpt", "slicing"), ("llm-pruner", "sparsity")):
+        assert runs[method]["budget_kind"] == kind and runs[method]["budget_value"] == pytest.approx(2 / 6)
+        assert 0.15 < runs[method]["sparsity"]["blocks"] < 0.45 and runs[method]["perplexity"] > 0
+    assert main(["report", str(out)]) == 0
+    table = (out / "report.md").read_text()
+    assert "2 blocks' share (sparsity 33%)" in table and "2 blocks' share (slicing 33%)" in table

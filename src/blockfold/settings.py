@@ -52,6 +52,8 @@ class MethodSettings(Strict):
     ranks_sublayers: ClassVar[str | None] = None
     #: ``module:function`` of the method's plan for ``--dry-run`` (plan.MethodPlan); None: no pass
     planner: ClassVar[str | None] = None
+    #: the setting that sizes the compression: a count of blocks or layers, or a share (sparsity, slicing)
+    budget_field: ClassVar[str | None] = None
     @classmethod
     def summary(cls) -> str:
         """One line on what the method does: the first line of its settings class's docstring."""
@@ -68,6 +70,8 @@ class MethodSettings(Strict):
 
 class BlockBudget(MethodSettings):
     """A budget in decoder blocks: ``blocks``, or ``ratio`` of the model's blocks (default 8 blocks)."""
+
+    budget_field: ClassVar[str | None] = "blocks"
 
     blocks: int | None = Field(None, ge=1, description="blocks to remove or replace (default 8)")
     ratio: float | None = Field(None, gt=0, lt=1, description="share of the blocks (or layers) instead")
@@ -94,6 +98,8 @@ class BlockBudget(MethodSettings):
 class AttentionBudget(MethodSettings):
     """A budget in attention sublayers: ``attention_layers``, or ``ratio`` of the layers (default 8)."""
 
+    budget_field: ClassVar[str | None] = "attention_layers"
+
     attention_layers: int | None = Field(None, ge=1, description="attention layers to replace or drop (default 8)",
                                          json_schema_extra={"flag": "attn"})
     ratio: float | None = Field(None, gt=0, lt=1, description="share of the blocks (or layers) instead")
@@ -115,6 +121,8 @@ class AttentionBudget(MethodSettings):
 
 class ParameterBudget(MethodSettings):
     """A budget in parameters: ``sparsity``, the share of the decoder blocks' projection weights removed."""
+
+    budget_field: ClassVar[str | None] = "sparsity"
 
     sparsity: float = Field(0.2, gt=0, lt=1, description="share of the blocks' projection weights removed (default 0.2)")
 
@@ -422,6 +430,7 @@ class SliceGPT(MethodSettings):
     runner: ClassVar[str] = "blockfold.methods.slicegpt:compress_slicegpt"
     planner: ClassVar[str | None] = "blockfold.methods.slicegpt:plan_slicegpt"
     writes_standard_checkpoint: ClassVar[bool] = False
+    budget_field: ClassVar[str | None] = "slicing"
     slicing: float = Field(0.25, ge=0, lt=1, description="share of the hidden dimension sliced away (default 0.25)")
 
 

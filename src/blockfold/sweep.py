@@ -144,7 +144,7 @@ def _run_into(config: SweepConfig, stage: Path) -> dict:
     from blockfold.methods import METHODS, PassCache
     from blockfold.models import load_model
     from blockfold.models.sources import cache_dir
-    from blockfold.settings import SETTINGS, AttentionBudget, SpanSelection
+    from blockfold.settings import SETTINGS, SpanSelection
 
     unknown = [m for m in config.methods if m not in METHODS]
     if unknown:
@@ -172,15 +172,17 @@ def _run_into(config: SweepConfig, stage: Path) -> dict:
     result["original"] = original
 
     def one_run(method: str, budget: int) -> None:
-        budget_field = "attention_layers" if issubclass(SETTINGS[method], AttentionBudget) else "blocks"
-        recipe = Recipe.parse({"method": method, budget_field: budget,
+        budget_field, value = method_budget(SETTINGS[method], budget, handle.num_layers())
+        recipe = Recipe.parse({"method": method, budget_field: value,
                                "calibration": config.calibration.model_dump()}, origin=f"{method} at {budget}")
-        run = {"method": method, "budget": budget, "budget_kind": budget_field}
+        run = {"method": method, "budget": budget, "budget_kind": budget_field, "budget_value": value,
+               "sparsity": None}
         with emissions(run, "compress_kg_co2eq", config.country_iso_code):
             compressed = blockfold.compress(handle.fresh_copy(), recipe=recipe, calibration=calibration,
                                             execution=execution, cache=cache)
         manifest = compressed.manifest
         run.update({"removed_blocks": manifest.get("removed_blocks"), "replaced": manifest.get("replaced"),
+                    "sparsity": manifest["sparsity"],
                     "compress_seconds": manifest["compress_seconds"],
                     "selection": {k: manifest["selection"].get(k) for k in ("criterion", "start", "score")}})
         if config.save_models:
@@ -240,6 +242,14 @@ def _shared_span_pass(handle, calibration, lengths: list[int], execution: Execut
 
     job = _span_job(handle, calibration, execution, cache)
     measure_spans(job, lengths, max(lengths), job.settings.criterion, all_criteria=True)
+
+
+def method_budget(settings_class, blocks: int, num_layers: int) -> tuple[str, int | float]:
+    """A sweep budget of ``blocks`` in the method's own terms: the count itself for a method that removes
+    or replaces blocks or attention layers, the same share of the blocks (``blocks / num_layers``) as the
+    sparsity or slicing of a width method, so every method of a sweep column has about as many parameters."""
+    field = settings_class.budget_field
+    return field, blocks if field in ("blocks", "attention_layers") else blocks / num_layers
 
 
 def placement_study(handle, calibration, blocks: int, windows, eval_dtype: str = "float32",

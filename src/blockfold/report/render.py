@@ -36,12 +36,17 @@ def speedup_label(speed: dict) -> str:
 
 
 def _budget_label(run: dict) -> str:
-    return f"{run['budget']} {'attention layers' if run['budget_kind'] == 'attention_layers' else 'blocks'}"
+    kind = run["budget_kind"]
+    if kind in ("sparsity", "slicing"):  # a width method at the share of the blocks the column's budget removes
+        return f"{run['budget']} blocks' share ({kind} {run['budget_value']:.0%})"
+    return f"{run['budget']} {'attention layers' if kind == 'attention_layers' else 'blocks'}"
 
 
 def _removed(run: dict) -> str:
     if run.get("replaced"):
         return ",".join(map(str, run["replaced"]["layers"]))
+    if not run.get("removed_blocks") and run.get("sparsity"):  # a width method: what share of the blocks went
+        return f"{run['sparsity']['blocks']:.0%} of the blocks' weights"
     return span_label(run.get("removed_blocks") or [])
 
 
