@@ -692,6 +692,40 @@ def render_refit_stage(parts: list[dict]) -> str:
     return "\n".join(lines).rstrip()
 
 
+def render_width(parts: list[dict]) -> str:
+    """Issue #44: the width baselines beside the depth methods at about the same parameter count, held-out
+    perplexity per text, the share of the model's parameters removed and the block forwards compress ran.
+    Rows of one model merge across runs (a method measured twice keeps its last run); sorted by the first
+    held-out text."""
+    lines = []
+    runs: dict[str, list[dict]] = {}
+    for results in parts:
+        runs.setdefault(results["model"], []).append(results)
+    for model, same in runs.items():
+        original = same[0]["original"]
+        texts = [text for text in original["perplexity"] if "held out" in text]
+        rows = {row["method"]: row for part in same for row in part["rows"]}
+        lines += [f"### {model}", "",
+                  "| method | what goes | parameters | sparsity (model) | " + " | ".join(texts) + " | block forwards |",
+                  "|---|---|---|---|" + "---|" * len(texts) + "---|",
+                  f"| original | - | {original['parameters'] / 1e6:.1f} M | - | "
+                  + " | ".join(_perplexity(original["perplexity"][text]) for text in texts) + " | - |"]
+        for name, row in sorted(rows.items(), key=lambda item: item[1]["perplexity"][texts[0]]):
+            recipe = row["recipe"]["settings"]
+            if row.get("sliced") or "slicing" in recipe:
+                what = f"hidden size sliced by {recipe['slicing']:.0%}"
+            elif "sparsity" in recipe:
+                what = f"{recipe['sparsity']:.1%} of the projections' weights (rank)"
+            else:
+                what = f"blocks {_span(row['removed_blocks'])}"
+            forwards = f"{row['forward_passes']:.2f}" if "forward_passes" in row else "-"
+            lines.append(f"| {name} | {what} | {row['parameters'] / 1e6:.1f} M | "
+                         f"{1 - row['parameters'] / original['parameters']:.1%} | "
+                         + " | ".join(_perplexity(row["perplexity"][text]) for text in texts) + f" | {forwards} |")
+        lines += ["", *_footer(same), ""]
+    return "\n".join(lines).rstrip()
+
+
 def render_one_pass(parts: list[dict]) -> str:
     """Issue #46: the default compress's cost in block forwards (exact) and in plain forward passes (wall
     time, each run against its own), per code version, and how far the versions' weights differ."""
@@ -902,6 +936,8 @@ SECTIONS: dict[str, tuple[str | tuple[str, ...], Callable]] = {
                      "refit_stage_8b.json", "refit_stage_8c.json", "refit_stage_sleb_8.json", "refit_stage_4.json",
                      "refit_stage_12.json"),
                     render_refit_stage),
+    "width": (("new_methods.json", "refit_stage_8.json", "refit_stage_8b.json", "refit_stage_8c.json", "svd_llm_8.json"),
+              render_width),
     "one-pass": (("one_pass_before.json", "one_pass_after.json", "one_pass_after2.json"), render_one_pass),
     "block-forwards": (("block_forwards_before.json", "block_forwards_before_part2.json", "block_forwards_after.json"),
                        render_block_forwards),
