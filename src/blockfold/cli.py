@@ -631,7 +631,7 @@ def _changes(manifest: dict) -> tuple[str, str]:
                           "MLP channels (mean)")
     if sliced:
         before, after = sliced["hidden_size"]
-        return ("hidden size", f"{before} -> {after}, each layer's stream rotated to its principal directions")
+        return ("hidden size", f"{before} -> {after}, the stream rotated to its principal directions")
     if low_rank:
         before, after = low_rank["projection_parameters"]
         return ("projections", f"every block's as two low-rank factors, {1 - after / before:.1%} of their weights "

@@ -423,7 +423,7 @@ class SvdLlm(ParameterBudget):
 
 
 class SliceGPT(MethodSettings):
-    """SliceGPT: each layer's residual stream rotated into its principal directions and the least used sliced
+    """SliceGPT: the residual stream rotated into its principal directions and the least used sliced
     away (a width baseline: not a standard checkpoint, the modeling code ships with it)."""
 
     method: ClassVar[str] = "slicegpt"

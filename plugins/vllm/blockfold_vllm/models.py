@@ -58,8 +58,8 @@ class IdentityNorm(nn.Module):
 def _linearize(model: nn.Module, vllm_config: VllmConfig) -> None:
     config = vllm_config.model_config.hf_config
     if any(getattr(config, field, None) for field in ("blockfold_low_rank", "blockfold_sliced", "blockfold_pruned")):
-        raise ValueError("this checkpoint stores projections as low-rank factors (SVD-LLM), maps its stream between "
-                         "per-block bases (SliceGPT) or gives its blocks different widths (LLM-Pruner), which this "
+        raise ValueError("this checkpoint stores projections as low-rank factors (SVD-LLM), slices its stream "
+                         "(SliceGPT) or gives its blocks different widths (LLM-Pruner), which this "
                          "plugin does not build: serve it with transformers")
     context = vllm_config.compilation_config.static_forward_context
     for entry in getattr(config, LINEARIZED_FIELD, None) or ():

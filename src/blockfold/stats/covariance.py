@@ -72,47 +72,46 @@ class InputCovariance:
 
 
 class StreamCovariance:
-    """Observer: ``Σ h hᵀ`` of the residual stream each block's two sublayers read (the block's input and
-    the stream after its attention half, pooled), per layer: SliceGPT's per-layer principal directions."""
+    """Observer: ``Σ u uᵀ`` of the residual stream every block's two sublayers read (each block's input and
+    the stream after its attention half), pooled over the blocks, each token's row scaled to unit length
+    ``u = h / ‖h‖`` as the sublayers' norms see it: SliceGPT's principal directions. Unscaled, the few
+    tokens with massive activations (the first token's, a thousand times the others' norm) would decide
+    the directions alone."""
 
     SUMS = ("tokens", "_gram")
     ROWS = ()
 
-    def __init__(self, num_layers: int, layers: list[int] | None = None):
+    def __init__(self, num_layers: int):
         self.num_layers = num_layers
-        self.layers = sorted(layers) if layers is not None else list(range(num_layers))
-        self.last_layer = max(self.layers)
-        self.tokens = [0] * num_layers
-        self._gram: list[dict[str, torch.Tensor]] = [{} for _ in range(num_layers)]
+        self.last_layer = num_layers - 1
+        self.tokens = 0
+        self._gram: dict[str, torch.Tensor] = {}
 
     @staticmethod
-    def sums_bytes_for(num_layers: int, hidden_size: int) -> int:
-        return num_layers * hidden_size * hidden_size * 8
+    def sums_bytes_for(hidden_size: int) -> int:
+        return hidden_size * hidden_size * 8
 
     def sums_bytes(self, hidden_size: int) -> int:
-        return self.sums_bytes_for(len(self.layers), hidden_size)
+        return self.sums_bytes_for(hidden_size)
 
     def window_bytes_per_token(self, hidden_size: int, element: int = 4) -> int:
         return 2 * hidden_size * 8  # the float64 copies of one layer's two streams
 
     def on_layer(self, acts: LayerActivations) -> None:
-        if acts.index not in self.layers:
-            return
-        index = acts.index
         streams = torch.cat([acts.block_in.double(), acts.attn_residual.double()])
-        add_sum(self._gram[index], "stream", streams.T @ streams)
-        self.tokens[index] += acts.block_in.shape[0]
+        streams = streams / streams.norm(dim=-1, keepdim=True).clamp(min=1e-30)
+        add_sum(self._gram, "stream", streams.T @ streams)
+        self.tokens += acts.block_in.shape[0]
 
     def end_batch(self) -> None:
         """Nothing is carried from one layer to the next."""
 
     def merge(self, other: "StreamCovariance") -> "StreamCovariance":
-        for index in range(self.num_layers):
-            self.tokens[index] += other.tokens[index]
-            for name, gram in other._gram[index].items():
-                add_sum(self._gram[index], name, gram)
+        self.tokens += other.tokens
+        for name, gram in other._gram.items():
+            add_sum(self._gram, name, gram)
         return self
 
-    def covariance(self, index: int) -> torch.Tensor:
-        """``Σ h hᵀ`` of layer ``index``'s two streams (float64, not divided by the count)."""
-        return self._gram[index]["stream"]
+    def covariance(self) -> torch.Tensor:
+        """``Σ u uᵀ`` of every block's two streams' unit rows (float64, not divided by the count)."""
+        return self._gram["stream"]

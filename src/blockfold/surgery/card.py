@@ -64,12 +64,11 @@ def _what_was_done(manifest: dict) -> str:
                 "keeps its own number of heads and channels, recorded in the config.")
     if sliced:
         width, kept = sliced["hidden_size"]
-        return (f"The residual stream of each of the {before} blocks was rotated into its principal directions on "
-                f"{data} and sliced from {width} to {kept} dimensions (SliceGPT): every weight that reads or writes "
-                "the stream lost rows or columns, the norms' gains were folded into the weights that read them, and "
-                "each block maps the stream into its own basis with a square matrix on entry"
-                + (" (one more after the final norm, for the tied embeddings)" if sliced["tied_head_map"] else "")
-                + ".")
+        return (f"The residual stream was rotated into its principal directions on {data} and sliced from {width} "
+                f"to {kept} dimensions (SliceGPT): every weight that reads or writes the stream lost rows or "
+                "columns, and the norms' gains were folded into the weights that read them"
+                + ("; the tied embeddings are the LM head, so the final norm's gain became a square map after it"
+                   if sliced["tied_head_map"] else "") + ".")
     if low_rank:
         before_count, after_count = low_rank["projection_parameters"]
         how = (f"truncated where its output on {data} loses least (the SVD of the weight whitened by its inputs' "
@@ -186,7 +185,7 @@ def model_card(manifest: dict, folder: Path, name: str, license_name: str | None
                   "its vision encoder and projector are the source's, byte for byte. Plain transformers and vLLM load it "
                   "as they load the source:", "", "```bash", f"vllm serve {name}", "```", ""]
     elif remote_code and (manifest.get("low_rank") or manifest.get("sliced") or manifest.get("pruned")):
-        what = ("factored projections" if manifest.get("low_rank") else "maps between the blocks' bases"
+        what = ("factored projections" if manifest.get("low_rank") else "map after the final norm"
                 if manifest.get("sliced") else "blocks of different widths")
         lines += [f"The {what} need the modeling code shipped in this folder (`modeling_blockfold.py`, classes "
                   f"registered as `{architecture}`): load with `trust_remote_code=True`; blockfold itself is not "

@@ -132,23 +132,21 @@ def prune_projections(handle: ModelHandle, kept: dict[tuple[int, str], tuple[tor
 
 
 @torch.no_grad()
-def attach_sliced(handle: ModelHandle, width: int, shortcuts: dict[int, torch.Tensor],
-                  head_map: torch.Tensor | None) -> None:
+def attach_sliced(handle: ModelHandle, width: int, head_map: torch.Tensor | None) -> None:
     """Make ``handle``'s model, whose weights were rotated and sliced to ``width``, its blockfold class: the
-    config's hidden size becomes ``width`` (the heads keep theirs), each layer in ``shortcuts`` maps the
-    stream it receives by its matrix (``width × width``, the stream times it), and ``head_map`` (if any)
-    follows the final norm. The maps are owned by the handle; the config records them (``blockfold_sliced``)."""
+    config's hidden size becomes ``width`` (the heads keep theirs) and ``head_map`` (``width × width``, the
+    stream times it; tied embeddings only) follows the final norm, owned by the handle. The config records
+    it (``blockfold_sliced``)."""
     model = handle.model
     config_class, model_class = _blockfold_classes(model)
     config = model.config
     if getattr(config, "head_dim", None) is None:
         config.head_dim = config.hidden_size // config.num_attention_heads
     config.hidden_size = width
-    setattr(config, SLICED_FIELD, {"shortcuts": sorted(shortcuts), "head_map": head_map is not None})
-    device = None if handle.resident else "meta"  # asked before the new modules change the answer
-    matrices = [shortcuts[index] for index in sorted(shortcuts)] + ([head_map] if head_map is not None else [])
-    for module, matrix in zip(shipped.attach_slicing(model, config, device=device), matrices):
-        handle.own(module, "weight", matrix.T)  # nn.Linear computes x Wᵀ
+    setattr(config, SLICED_FIELD, {"head_map": head_map is not None})
+    device = None if handle.resident else "meta"  # asked before the new module changes the answer
+    for module in shipped.attach_slicing(model, config, device=device):
+        handle.own(module, "weight", head_map.T)  # nn.Linear computes x Wᵀ
     _become(model, config_class, model_class)
 
 

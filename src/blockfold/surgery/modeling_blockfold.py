@@ -32,13 +32,12 @@ Another, ``blockfold_pruned`` (LLM-Pruner), lists projections whose weights lost
 The ``nn.Linear`` at that path is rebuilt at that shape (the attention keeps its heads' size and the
 ratio of query to key-value heads, so only the number of heads changes).
 
-A last one, ``blockfold_sliced`` (SliceGPT), describes a model whose residual stream was rotated and sliced
-to ``hidden_size`` dimensions, in a basis of its own at each layer:
+A last one, ``blockfold_sliced`` (SliceGPT), describes a model whose residual stream was rotated and
+sliced to ``hidden_size`` dimensions:
 
-    {"shortcuts": [layer indices], "head_map": bool}
+    {"head_map": bool}
 
-Each listed layer first maps the stream it receives into its own basis (``layers.i.blockfold_shortcut``,
-a square linear map without bias); with ``head_map``, the final norm's output passes one more such map
+With ``head_map`` (tied embeddings), the final norm's output passes a square linear map without bias
 (``norm.blockfold_head_map``) before the LM head, which the embeddings' tied weights then fit.
 """
 
@@ -222,37 +221,20 @@ def resize_projection(layer: nn.Module, entry: dict, device=None) -> nn.Linear:
     return resized
 
 
-def _apply_shortcut(layer: nn.Module, args: tuple, kwargs: dict):
-    """A layer's forward pre-hook: its input stream mapped into the layer's basis."""
-    if args:
-        return (layer.blockfold_shortcut(args[0]), *args[1:]), kwargs
-    return args, {**kwargs, "hidden_states": layer.blockfold_shortcut(kwargs["hidden_states"])}
-
-
 def _apply_head_map(norm: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
     """The final norm's forward hook: its output mapped into the basis of the (tied) LM head."""
     return norm.blockfold_head_map(output)
 
 
 def attach_slicing(model: nn.Module, config, device=None) -> list[nn.Linear]:
-    """Give a model built from a ``blockfold_sliced`` config its shortcut maps (and head map); returns
-    them, shortcuts in layer order, the head map last."""
+    """Give a model built from a ``blockfold_sliced`` config its head map, if it has one; returns it in a list."""
     entry = getattr(config, SLICED_FIELD, None)
-    if not entry:
+    if not entry or not entry.get("head_map"):
         return []
-    width, base = config.hidden_size, model.base_model
-    dtype = base.norm.weight.dtype
-    added = []
-    for index in entry["shortcuts"]:
-        layer = base.layers[index]
-        layer.blockfold_shortcut = nn.Linear(width, width, bias=False, device=device, dtype=dtype)
-        layer.register_forward_pre_hook(_apply_shortcut, with_kwargs=True)
-        added.append(layer.blockfold_shortcut)
-    if entry.get("head_map"):
-        base.norm.blockfold_head_map = nn.Linear(width, width, bias=False, device=device, dtype=dtype)
-        base.norm.register_forward_hook(_apply_head_map)
-        added.append(base.norm.blockfold_head_map)
-    return added
+    width, norm = config.hidden_size, model.base_model.norm
+    norm.blockfold_head_map = nn.Linear(width, width, bias=False, device=device, dtype=norm.weight.dtype)
+    norm.register_forward_hook(_apply_head_map)
+    return [norm.blockfold_head_map]
 
 
 class _Linearized:
