@@ -715,7 +715,7 @@ def render_width(parts: list[dict]) -> str:
             if row.get("sliced") or "slicing" in recipe:
                 what = f"hidden size sliced by {recipe['slicing']:.0%}"
             elif "sparsity" in recipe:
-                what = f"{recipe['sparsity']:.1%} of the projections' weights (rank)"
+                what = f"{recipe['sparsity']:.1%} of the blocks' projection weights"
             else:
                 what = f"blocks {_span(row['removed_blocks'])}"
             forwards = f"{row['forward_passes']:.2f}" if "forward_passes" in row else "-"
@@ -936,8 +936,8 @@ SECTIONS: dict[str, tuple[str | tuple[str, ...], Callable]] = {
                      "refit_stage_8b.json", "refit_stage_8c.json", "refit_stage_sleb_8.json", "refit_stage_4.json",
                      "refit_stage_12.json"),
                     render_refit_stage),
-    "width": (("new_methods.json", "refit_stage_8.json", "refit_stage_8b.json", "refit_stage_8c.json", "svd_llm_8.json"),
-              render_width),
+    "width": (("new_methods.json", "refit_stage_8.json", "refit_stage_8b.json", "refit_stage_8c.json", "svd_llm_8.json",
+               "slicegpt_per_block_8.json", "slicegpt_shared_8.json"), render_width),
     "one-pass": (("one_pass_before.json", "one_pass_after.json", "one_pass_after2.json"), render_one_pass),
     "block-forwards": (("block_forwards_before.json", "block_forwards_before_part2.json", "block_forwards_after.json"),
                        render_block_forwards),
