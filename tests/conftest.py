@@ -82,11 +82,12 @@ MOE_CONFIGS = {
 MOE_ARCHITECTURES = sorted(MOE_CONFIGS)
 
 
-def tiny_model(arch: str, seed: int = 0):
-    """A random-weight model whose norms have non-trivial scales (so folding errors would show)."""
+def tiny_model(arch: str, seed: int = 0, tied: bool = False):
+    """A random-weight model whose norms have non-trivial scales (so folding errors would show); ``tied``:
+    its LM head is its embeddings (as SmolLM2's and Gemma's are)."""
     torch.manual_seed(seed)
     config = {**TINY_CONFIGS, **MOE_CONFIGS}[arch]()
-    config.tie_word_embeddings = False
+    config.tie_word_embeddings = tied
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():

@@ -8,8 +8,7 @@ import copy
 
 import pytest
 import torch
-from conftest import TINY_CONFIGS, generate_without_blockfold, random_calibration, tiny_model, tiny_tokenizer
-from transformers import AutoModelForCausalLM
+from conftest import generate_without_blockfold, random_calibration, tiny_model, tiny_tokenizer
 
 import blockfold
 from blockfold.errors import BlockfoldError
@@ -19,15 +18,7 @@ ROTATABLE = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 
 
 def _tied(arch: str):
-    """A tiny model of ``arch`` whose LM head is its embeddings (as SmolLM2's and Gemma's are)."""
-    torch.manual_seed(0)
-    config = TINY_CONFIGS[arch]()
-    config.tie_word_embeddings = True
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.add_(0.3 * torch.randn_like(param))
+    model = tiny_model(arch, tied=True)
     assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
     return model
 

@@ -194,12 +194,17 @@ class LowRankLinear(nn.Module):
         return self.second(self.first(hidden_states))
 
 
+def _owner_of(layer: nn.Module, dotted: str) -> tuple[nn.Module, str]:
+    """The module holding ``dotted`` (``self_attn.q_proj``) inside ``layer``, and the attribute's name there."""
+    *path, name = dotted.split(".")
+    for part in path:
+        layer = getattr(layer, part)
+    return layer, name
+
+
 def factor_projection(layer: nn.Module, entry: dict, device=None) -> LowRankLinear:
     """Apply one ``blockfold_low_rank`` entry to a decoder layer, in place; returns the new module."""
-    *path, name = entry["module"].split(".")
-    owner = layer
-    for part in path:
-        owner = getattr(owner, part)
+    owner, name = _owner_of(layer, entry["module"])
     linear = getattr(owner, name)
     factored = LowRankLinear(linear.in_features, linear.out_features, entry["rank"], linear.bias is not None,
                              device=device or linear.weight.device, dtype=linear.weight.dtype)
@@ -209,10 +214,7 @@ def factor_projection(layer: nn.Module, entry: dict, device=None) -> LowRankLine
 
 def resize_projection(layer: nn.Module, entry: dict, device=None) -> nn.Linear:
     """Apply one ``blockfold_pruned`` entry to a decoder layer, in place; returns the new module."""
-    *path, name = entry["module"].split(".")
-    owner = layer
-    for part in path:
-        owner = getattr(owner, part)
+    owner, name = _owner_of(layer, entry["module"])
     linear = getattr(owner, name)
     out_features, in_features = entry["shape"]
     resized = nn.Linear(in_features, out_features, bias=linear.bias is not None,
