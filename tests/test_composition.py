@@ -60,7 +60,12 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "laco": ("laco", {"merge_layers": 2}),
     "streamline": ("streamline", {"train_steps": 2}),
     "slicegpt": ("slicegpt", {"slicing": 0.25}),  # a width of its own: the share of the hidden size sliced
+    # the one budget every method takes, resolved against the model into blocks or attention layers
+    "replaceme-sparsity": ("replaceme", {"sparsity": 0.3}),
+    "drop-attn": ("drop-attn", {}),
+    "drop-attn-sparsity": ("drop-attn", {"sparsity": 0.1}),
 }
+BUDGET_FIELDS = {"blocks", "attention_layers", "ratio", "sparsity", "slicing"}
 #: per-tensor tolerance, relative to the tensor's largest entry: closed forms, and numerical fits
 #: (Adam, L-BFGS), which amplify the last bits of sums added in another order
 TOLERANCE = {"closed": 1e-5, "numerical": 1e-3}
@@ -85,8 +90,8 @@ def _cases() -> dict[str, tuple[str, dict]]:
                   else {"sparsity": 0.3} if issubclass(settings_class, ParameterBudget)
                   else {"blocks": 2} if issubclass(settings_class, BlockBudget) else {})
         variants = {name: extra for name, (of, extra) in VARIANTS.items() if of == method} or {method: {}}
-        for name, extra in variants.items():
-            cases[name] = (method, {**budget, **extra})
+        for name, extra in variants.items():  # a variant's own budget replaces the method's
+            cases[name] = (method, {**({} if BUDGET_FIELDS & extra.keys() else budget), **extra})
         if issubclass(settings_class, RefitStage) and settings_class(**budget).refit == "none":
             first = next(iter(variants.values()))
             cases[f"{method}+refit"] = (method, {**budget, **first, "refit": "all"})

@@ -35,7 +35,12 @@ def _nested_keys(model_class, values: dict) -> set[str]:
 
 #: settings added after blockfold 0.2.0 saved these recipes, each with the value that does what 0.2.0
 #: did (docs/design.md, "Recipes and versions"): a saved recipe lacks them and replays with that value
-ADDED_SINCE_SAVED = {"sleb": {"score_sequences": None}, "replaceme": {"shortlist": 1}}
+ADDED_SINCE_SAVED = {
+    "sleb": {"score_sequences": None, "sparsity": None}, "replaceme": {"shortlist": 1, "sparsity": None},
+    # the sparsity budget every method takes (a saved recipe names its count of blocks or layers instead)
+    **{method: {"sparsity": None} for method in ("drop-attn", "drop-block", "laco", "linear-patch", "nbl", "nbl-block",
+                                                 "prune-comp", "slicegpt", "streamline", "uidl")},
+}
 
 
 def test_every_method_has_a_recipe_saved_by_an_earlier_blockfold():

@@ -234,3 +234,31 @@ def test_a_sweep_compares_width_methods_at_the_share_of_the_blocks_its_budget_re
     assert main(["report", str(out)]) == 0
     table = (out / "report.md").read_text()
     assert "2 blocks' share (sparsity 33%)" in table and "2 blocks' share (slicing 33%)" in table
+
+
+def test_a_sweep_along_sparsity_puts_every_method_at_the_same_share(tiny_and_corpus, tmp_path):
+    """Issue #44: ``--sparsity`` is one axis for depth and width methods; a method that cannot reach a share
+    on this model (NBL's attention is too small a part of the blocks) is skipped with the reason, not fatal."""
+    folder, corpus = tiny_and_corpus
+    out = tmp_path / "run"
+    assert main(["sweep", "--model", str(folder), "--out", str(out), "--methods", "uidl,svd-llm,nbl",
+                 "--sparsity", "0.3", "--calib", str(corpus), "--num-seqs", "8", "--seq-len", "32", "--ppl", str(corpus),
+                 "--ppl-windows", "2", "--no-analysis"]) == 0
+    sweep = json.loads((out / "sweep.json").read_text())
+    runs = {run["method"]: run for run in sweep["runs"]}
+    assert set(runs) == {"uidl", "svd-llm"}
+    for run in runs.values():
+        assert run["budget"] == 0.3 and run["budget_kind"] == "sparsity"
+        assert run["sparsity"]["requested"] == 0.3 and abs(run["sparsity"]["blocks"] - 0.3) < 0.1
+    assert runs["uidl"]["removed_blocks"] and len(runs["uidl"]["removed_blocks"]) == 2
+    [skipped] = sweep["skipped"]
+    assert skipped["method"] == "nbl" and "cannot be reached by removing attention layers" in skipped["reason"]
+    table = (out / "report.md").read_text()
+    assert "sparsity 30%" in table and "Runs skipped" in table and "33.3% /" in table
+
+
+def test_a_sweep_takes_blocks_or_sparsities_not_both(tiny_and_corpus, tmp_path, capsys):
+    folder, _ = tiny_and_corpus
+    assert main(["sweep", "--model", str(folder), "--out", str(tmp_path / "run"), "--budgets", "2",
+                 "--sparsity", "0.3"]) == 2
+    assert "not both" in capsys.readouterr().err

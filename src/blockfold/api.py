@@ -212,6 +212,8 @@ def compress(
                              f"({', '.join(methods_where(lambda method: method.writes_standard_checkpoint))}), "
                              "or compress the language model saved on its own")
     handle.adapter.prepare(handle)
+    requested_sparsity = getattr(recipe.settings, "sparsity", None)
+    recipe = recipe.model_copy(update={"settings": recipe.settings.for_model(handle.adapter.model_size(handle.model))})
     original_layers = handle.num_layers()
     original_parameters = count_parameters(handle.model)
     original_block_parameters = count_parameters(handle.adapter.layers(handle.model))
@@ -254,7 +256,8 @@ def compress(
         "parameters": count_parameters(handle.model),
         # the share of parameters removed, of the decoder blocks' and of the whole model's (embeddings, head)
         "sparsity": {"blocks": 1 - count_parameters(handle.adapter.layers(handle.model)) / original_block_parameters,
-                     "model": 1 - count_parameters(handle.model) / original_parameters},
+                     "model": 1 - count_parameters(handle.model) / original_parameters,
+                     **({"requested": requested_sparsity} if requested_sparsity is not None else {})},
         **details,
         "calibration": calibration.description,
         "recipe": recipe.saved(),

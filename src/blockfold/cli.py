@@ -351,8 +351,10 @@ def _add_sweep(sub) -> None:
     p.add_argument("--out", required=True, help="run folder: sweep.json, report.html, report.md, figures")
     p.add_argument("--overwrite", action="store_true")
     p.add_argument("--methods", default="replaceme,uidl")
-    p.add_argument("--budgets", default="2,4,6,8",
-                   help="comma-separated budgets: blocks, or attention layers for the methods that count those")
+    p.add_argument("--budgets", help="comma-separated budgets: blocks, or attention layers for the methods that "
+                                     "count those (default 2,4,6,8)")
+    p.add_argument("--sparsity", help="instead: comma-separated shares of the blocks' parameters, every method at "
+                                      "each (e.g. 0.1,0.2,0.25,0.35)")
     _renamed(p, "--blocks", "--budgets")
     p.add_argument("--tasks", default="", help="harness tasks, as for eval --tasks")
     p.add_argument("--limit", type=int)
@@ -768,12 +770,19 @@ def cmd_sweep(args) -> int:
     from blockfold.report.render import speedup_label
     from blockfold.sweep import SweepConfig, run_sweep
 
+    axis = {}
     try:
-        budgets = [int(b) for b in args.budgets.split(",")]
+        if args.budgets is not None:
+            axis["budgets"] = [int(b) for b in args.budgets.split(",")]
     except ValueError:
         raise BlockfoldError(f"--budgets {args.budgets!r} is not a comma-separated list of integers, e.g. 2,4,6,8") from None
+    try:
+        if args.sparsity is not None:
+            axis["sparsities"] = [float(s) for s in args.sparsity.split(",")]
+    except ValueError:
+        raise BlockfoldError(f"--sparsity {args.sparsity!r} is not a comma-separated list of shares, e.g. 0.1,0.25") from None
     config = SweepConfig.parse({
-        "model": args.model, "methods": [m for m in args.methods.split(",") if m], "budgets": budgets,
+        "model": args.model, "methods": [m for m in args.methods.split(",") if m], **axis,
         "tasks": [t for t in args.tasks.split(",") if t], "limit": args.limit, "fewshot": args.fewshot,
         "ppl_text": args.ppl, "ppl_windows": args.ppl_windows, "placement_blocks": args.placement,
         "analysis": not args.no_analysis, "country_iso_code": args.country, "save_models": args.save_models,

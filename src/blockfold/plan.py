@@ -174,7 +174,7 @@ def plan_for(spec: str, recipe: Recipe, execution: Execution, accelerator_memory
         calibration = calibration.model_copy(update={"sequence_length": adapter.tokens_per_image(
             model.config, model.config.image_size, model.config.image_size)})
     tokens = calibration.num_sequences * calibration.sequence_length
-    settings = recipe.settings
+    settings = recipe.settings.for_model(adapter.model_size(model))
 
     plan = Plan()
     plan.add("model", f"{spec}: {config.model_type}, {num_layers} blocks, hidden {d}, {total_params / 1e9:.2f}B parameters")
@@ -183,6 +183,10 @@ def plan_for(spec: str, recipe: Recipe, execution: Execution, accelerator_memory
     plan.add("weights", f"{gib(weights)}: {gib(per_layer_params * element)} per block, {gib(outside)} outside the blocks")
     plan.add("pipeline", pipeline + (" (the whole model resident)" if pipeline == "whole"
                                      else " (one block at a time; resident: one block plus embeddings or head)"))
+    if getattr(recipe.settings, "sparsity", None) is not None and getattr(settings, "sparsity", None) is None:
+        budget = settings.budget_field
+        plan.add("budget", f"sparsity {recipe.settings.sparsity:g}: {getattr(settings, budget)} "
+                           f"{budget.replace('_', ' ')}")
     plan.add("calibration", f"{calibration.num_sequences} {'images' if adapter.is_vision else 'sequences'} x "
                             f"{calibration.sequence_length} = {tokens:,} tokens")
     plan.add("activation buffer", f"{gib(tokens * d * element)} for all tokens at one boundary ({DTYPE_NAMES[dtype]})")

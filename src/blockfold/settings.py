@@ -13,6 +13,7 @@ In the Python API the classes are also the one verb's configuration (torchao-sty
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field, model_validator
@@ -25,6 +26,33 @@ SpanCriterion = Literal["angular_last", "angular_all", "block_influence", "cka",
 LinearityCriterion = Literal["cca", "nmse", "cosine", "stream"]
 #: the span counts ReplaceMe's ``spans="auto"`` compresses and compares
 AUTO_SPAN_COUNTS = (1, 2, 3)
+SPARSITY_DESCRIPTION = "share of the blocks' parameters removed (width methods: 0.2)"
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    """What a ``sparsity`` budget is resolved against: the parameters of each block and of each block's
+    attention sublayer, and the hidden size (the width of a map put in place of what is removed)."""
+
+    block_parameters: tuple[int, ...]
+    attention_parameters: tuple[int, ...]
+    hidden_size: int
+
+
+def count_for_sparsity(sparsity: float, unit_parameters: float, size: ModelSize, added, low: int, high: int,
+                       unit: str) -> int:
+    """How many units (blocks or attention sublayers) of ``unit_parameters`` each to remove so that the
+    share of the blocks' parameters removed, less what the method ``added`` for that many, is nearest
+    ``sparsity``; refused in one line where no count between ``low`` and ``high`` comes within half a unit."""
+    total = sum(size.block_parameters)
+    shares = {n: (n * unit_parameters - added(n)) / total for n in range(low, high + 1)}
+    count = min(shares, key=lambda n: abs(shares[n] - sparsity))
+    if abs(shares[count] - sparsity) > unit_parameters / total / 2:
+        units = len(size.block_parameters) if unit == "blocks" else len(size.attention_parameters)
+        raise BlockfoldError(f"--sparsity {sparsity:g} cannot be reached by removing {unit} of this model: use a "
+                             f"sparsity from {shares[low]:.3f} ({low} of its {units} {unit}) to {shares[high]:.3f} "
+                             f"({high}), or a width method (svd-llm, slicegpt, llm-pruner)")
+    return count
 
 
 class CosineConfig(Strict):
@@ -67,6 +95,15 @@ class MethodSettings(Strict):
         """True where the method folds fitted maps into down-projections (what healing's ``lt`` mode trains)."""
         return False
 
+    def parameters_added(self, count: int, hidden_size: int) -> int:
+        """Parameters the method puts in place of ``count`` removed blocks or sublayers (its linear maps)."""
+        return 0
+
+    def for_model(self, size: ModelSize) -> "MethodSettings":
+        """These settings with a ``sparsity`` budget resolved into the method's own unit for a model of
+        ``size`` (blocks, attention layers), so the run and its saved recipe hold the count that ran."""
+        return self
+
 
 class BlockBudget(MethodSettings):
     """A budget in decoder blocks: ``blocks``, or ``ratio`` of the model's blocks (default 8 blocks)."""
@@ -75,17 +112,31 @@ class BlockBudget(MethodSettings):
 
     blocks: int | None = Field(None, ge=1, description="blocks to remove or replace (default 8)")
     ratio: float | None = Field(None, gt=0, lt=1, description="share of the blocks (or layers) instead")
+    sparsity: float | None = Field(None, gt=0, lt=1, description=SPARSITY_DESCRIPTION)
 
     @model_validator(mode="after")
     def _one_budget(self):
-        if self.blocks is not None and self.ratio is not None:
-            raise ValueError("give either blocks (--blocks) or ratio (--ratio), not both")
-        if self.blocks is None and self.ratio is None:
+        given = [flag for flag, value in (("blocks (--blocks)", self.blocks), ("ratio (--ratio)", self.ratio),
+                                          ("sparsity (--sparsity)", self.sparsity)) if value is not None]
+        if len(given) > 1:
+            raise ValueError(f"give one budget, not {' and '.join(given)}")
+        if not given:
             self._resolve("blocks", 8)
         return self
 
+    def for_model(self, size: ModelSize) -> "BlockBudget":
+        if self.sparsity is None:
+            return self
+        per_block = sum(size.block_parameters) / len(size.block_parameters)
+        count = count_for_sparsity(self.sparsity, per_block, size,
+                                   lambda n: self.parameters_added(n, size.hidden_size),
+                                   1, len(size.block_parameters) - 2, "blocks")
+        return self.model_copy(update={"blocks": count, "sparsity": None})
+
     def num_blocks(self, num_layers: int) -> int:
         """How many blocks, validated against a model of ``num_layers`` blocks."""
+        if self.sparsity is not None:
+            raise BlockfoldError("a sparsity budget is resolved against the model first (settings.for_model)")
         n = self.blocks if self.blocks is not None else round(self.ratio * num_layers)
         if n < 1 or n > num_layers - 2:
             raise BlockfoldError(
@@ -103,16 +154,30 @@ class AttentionBudget(MethodSettings):
     attention_layers: int | None = Field(None, ge=1, description="attention layers to replace or drop (default 8)",
                                          json_schema_extra={"flag": "attn"})
     ratio: float | None = Field(None, gt=0, lt=1, description="share of the blocks (or layers) instead")
+    sparsity: float | None = Field(None, gt=0, lt=1, description=SPARSITY_DESCRIPTION)
 
     @model_validator(mode="after")
     def _one_budget(self):
-        if self.attention_layers is not None and self.ratio is not None:
-            raise ValueError("give either attention_layers (--attn) or ratio (--ratio), not both")
-        if self.attention_layers is None and self.ratio is None:
+        given = [flag for flag, value in (("attention_layers (--attn)", self.attention_layers),
+                                          ("ratio (--ratio)", self.ratio), ("sparsity (--sparsity)", self.sparsity))
+                 if value is not None]
+        if len(given) > 1:
+            raise ValueError(f"give one budget, not {' and '.join(given)}")
+        if not given:
             self._resolve("attention_layers", 8)
         return self
 
+    def for_model(self, size: ModelSize) -> "AttentionBudget":
+        if self.sparsity is None:
+            return self
+        per_layer = sum(size.attention_parameters) / len(size.attention_parameters)
+        count = count_for_sparsity(self.sparsity, per_layer, size, lambda n: self.parameters_added(n, size.hidden_size),
+                                   1, len(size.attention_parameters), "attention layers")
+        return self.model_copy(update={"attention_layers": count, "sparsity": None})
+
     def num_attention_layers(self, num_layers: int) -> int:
+        if self.sparsity is not None:
+            raise BlockfoldError("a sparsity budget is resolved against the model first (settings.for_model)")
         k = self.attention_layers if self.attention_layers is not None else round(self.ratio * num_layers)
         if k < 1 or k > num_layers:
             raise BlockfoldError(f"cannot replace {k} of {num_layers} attention layers: use --attn between 1 and {num_layers}")
@@ -124,7 +189,7 @@ class ParameterBudget(MethodSettings):
 
     budget_field: ClassVar[str | None] = "sparsity"
 
-    sparsity: float = Field(0.2, gt=0, lt=1, description="share of the blocks' projection weights removed (default 0.2)")
+    sparsity: float = Field(0.2, gt=0, lt=1, description=SPARSITY_DESCRIPTION)
 
 
 class SpanSelection(BlockBudget):
@@ -296,6 +361,9 @@ class NBL(AttentionBudget):
     def describe(self, selection: dict) -> str:
         return f" / {selection['criterion']}"
 
+    def parameters_added(self, count: int, hidden_size: int) -> int:
+        return count * (hidden_size * hidden_size + hidden_size)  # one map W x + b per replaced sublayer
+
     def resolved_criterion(self, adapter) -> LinearityCriterion:
         """The ranking that runs on an architecture (``adapter``): ``auto``'s rule, or the one named."""
         if self.linearity_criterion != "auto":
@@ -317,6 +385,9 @@ class NBLBlock(BlockBudget):
 
     def describe(self, selection: dict) -> str:
         return f" / {selection['criterion']}"
+
+    def parameters_added(self, count: int, hidden_size: int) -> int:
+        return count * (hidden_size * hidden_size + hidden_size)  # one map W x + b per replaced block
 
     def resolved_criterion(self, adapter) -> LinearityCriterion:
         return self.linearity_criterion
@@ -390,6 +461,9 @@ class LinearPatch(BlockBudget):
     patch: Literal["hadamard", "full"] = Field("hadamard", description="H D Hᵀ or least squares")
     ridge_alpha: float = Field(0.0, ge=0, description="full: L2 penalty per token")
 
+    def parameters_added(self, count: int, hidden_size: int) -> int:
+        return hidden_size * hidden_size + hidden_size  # one patch, stored as a linear block, for the span
+
     @model_validator(mode="after")
     def _ridge_for_full(self):
         if self.ridge_alpha and self.patch != "full":
@@ -432,6 +506,16 @@ class SliceGPT(MethodSettings):
     writes_standard_checkpoint: ClassVar[bool] = False
     budget_field: ClassVar[str | None] = "slicing"
     slicing: float = Field(0.25, ge=0, lt=1, description="share of the hidden dimension sliced away (default 0.25)")
+    sparsity: float | None = Field(None, gt=0, lt=1, description=SPARSITY_DESCRIPTION)
+
+    @model_validator(mode="after")
+    def _slicing_from_sparsity(self):
+        # slicing the stream to k of d dimensions keeps k/d of every block's parameters: the two budgets are one
+        if self.sparsity is not None:
+            if "slicing" in self.model_fields_set and self.slicing != self.sparsity:
+                raise ValueError("give one budget, not slicing (--slicing) and sparsity (--sparsity)")
+            self._resolve("slicing", self.sparsity)
+        return self
 
 
 class LLMPruner(ParameterBudget):

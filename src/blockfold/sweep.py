@@ -10,6 +10,7 @@ goes to ``sweep.json``, which the CLI then renders as the report (``blockfold re
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
@@ -21,7 +22,7 @@ from typing import Literal
 
 import numpy as np
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 
 import blockfold
 from blockfold import distributed
@@ -37,6 +38,7 @@ from blockfold.schema import Strict
 from blockfold.surgery import staged_folder
 
 SWEEP_VERSION = 1
+logger = logging.getLogger(__name__)
 
 
 class SweepConfig(Strict):
@@ -44,6 +46,9 @@ class SweepConfig(Strict):
     model: str
     methods: list[str] = Field(default_factory=lambda: ["replaceme", "uidl"])
     budgets: list[int] = Field(default_factory=lambda: [2, 4, 6, 8])
+    #: the share of the blocks' parameters each run removes, instead of ``budgets``: one axis for depth and
+    #: width methods alike, each method at the count of its own units nearest it
+    sparsities: list[float] = Field(default_factory=list)
     tasks: list[str] = Field(default_factory=list)
     limit: int | None = Field(None, ge=1)
     fewshot: int = Field(0, ge=0)
@@ -61,6 +66,18 @@ class SweepConfig(Strict):
     eval_dtype: Literal["float32", "bfloat16"] = "float32"
     # where and in what precision the compressions run (the models stay resident for evaluation)
     execution: Execution = Field(default_factory=Execution)
+
+    @model_validator(mode="after")
+    def _one_axis(self):
+        if self.sparsities and "budgets" in self.model_fields_set:
+            raise ValueError("give budgets (--budgets) or sparsities (--sparsity), not both")
+        if any(not 0 < s < 1 for s in self.sparsities):
+            raise ValueError("every sparsity is a share of the blocks' parameters, between 0 and 1 (e.g. 0.1,0.25)")
+        return self
+
+    def axis(self) -> list[int] | list[float]:
+        """The budgets the runs take: sparsities where given, else blocks (or attention layers)."""
+        return self.sparsities or self.budgets
 
 
 def in_eval_dtype(model, dtype: str, copy_first: bool):
@@ -164,17 +181,27 @@ def _run_into(config: SweepConfig, stage: Path) -> dict:
         "format": f"blockfold-sweep/{SWEEP_VERSION}", "config": config.model_dump(mode="json"),
         "environment": environment(), "processes": distributed.current().world_size,
         "source_model": {"spec": config.model, "fingerprint": handle.fingerprint()},
-        "calibration": calibration.description, "runs": [],
+        "calibration": calibration.description, "runs": [], "skipped": [],
     }
+    size = handle.adapter.model_size(handle.model)
     original, original_measured = {}, in_eval_dtype(model, config.eval_dtype, copy_first=True)
     with emissions(original, "eval_kg_co2eq", config.country_iso_code):
         original.update(_measure_model(original_measured, tokenizer, config, windows, task_cache))
     result["original"] = original
 
-    def one_run(method: str, budget: int) -> None:
-        budget_field, value = method_budget(SETTINGS[method], budget, handle.num_layers())
+    def one_run(method: str, budget: int | float) -> None:
+        if config.sparsities:
+            budget_field, value = "sparsity", budget
+        else:
+            budget_field, value = method_budget(SETTINGS[method], budget, handle.num_layers())
         recipe = Recipe.parse({"method": method, budget_field: value,
                                "calibration": config.calibration.model_dump()}, origin=f"{method} at {budget}")
+        try:  # a sparsity a method cannot reach on this model (NBL's attention is a small share) skips the run
+            recipe.settings.for_model(size)
+        except BlockfoldError as error:
+            result["skipped"].append({"method": method, "budget": budget, "reason": str(error)})
+            logger.warning("sweep: %s at %s skipped: %s", method, budget, error)
+            return
         run = {"method": method, "budget": budget, "budget_kind": budget_field, "budget_value": value,
                "sparsity": None}
         with emissions(run, "compress_kg_co2eq", config.country_iso_code):
@@ -201,17 +228,18 @@ def _run_into(config: SweepConfig, stage: Path) -> dict:
                   + (f", RP {run['relative_performance']['average']['rp']:.3f}" if config.tasks else ""), flush=True)
         del candidate, compressed
 
-    if any(issubclass(SETTINGS[m], SpanSelection) for m in config.methods):
+    lengths = _span_lengths(config.sparsities, size) if config.sparsities else config.budgets
+    if lengths and any(issubclass(SETTINGS[m], SpanSelection) for m in config.methods):
         # ReplaceMe and UIDL at every budget share one calibration pass (identical results); its
         # time and CO₂eq are recorded once, apart from the runs'
         shared = {}
         with emissions(shared, "kg_co2eq", config.country_iso_code):
             pass_started = time.perf_counter()
-            _shared_span_pass(handle, calibration, config.budgets, execution, cache)
+            _shared_span_pass(handle, calibration, lengths, execution, cache)
             shared["seconds"] = time.perf_counter() - pass_started
         result["shared_calibration_pass"] = shared
     for method in config.methods:
-        for budget in config.budgets:
+        for budget in config.axis():
             one_run(method, budget)
     if config.placement_blocks:  # a length among the budgets reuses the shared pass
         result["placement"] = placement_study(handle, calibration, config.placement_blocks, windows, config.eval_dtype,
@@ -226,6 +254,17 @@ def _run_into(config: SweepConfig, stage: Path) -> dict:
     result["seconds"] = time.perf_counter() - started
     (stage / "sweep.json").write_text(json.dumps(result, indent=1))
     return result
+
+
+def _span_lengths(sparsities: list[float], size) -> list[int]:
+    """The span lengths the span methods take at ``sparsities`` (those a span can reach)."""
+    from blockfold.settings import ReplaceMe
+
+    lengths = set()
+    for sparsity in sparsities:
+        with contextlib.suppress(BlockfoldError):
+            lengths.add(ReplaceMe(sparsity=sparsity).for_model(size).blocks)
+    return sorted(lengths)
 
 
 def _span_job(handle, calibration, execution: Execution, cache):

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from blockfold.errors import BlockfoldError
+from blockfold.settings import ModelSize
 
 
 @dataclass(frozen=True)
@@ -206,6 +207,13 @@ class DecoderAdapter:
 
     def hidden_size(self, model: nn.Module) -> int:
         return model.config.hidden_size
+
+    def model_size(self, model: nn.Module) -> ModelSize:
+        """The sizes a ``sparsity`` budget is resolved against (parameters on the meta device count too)."""
+        layers = self.layers(model)
+        return ModelSize(tuple(sum(p.numel() for p in layer.parameters()) for layer in layers),
+                         tuple(sum(p.numel() for p in self.attention(layer).parameters()) for layer in layers),
+                         self.hidden_size(model))
 
     # -- linear replacements (executed by surgery/modeling_blockfold.py) -----------------------
     def attention_replacement(self, index: int, replacement: str) -> dict:

@@ -37,9 +37,17 @@ def speedup_label(speed: dict) -> str:
 
 def _budget_label(run: dict) -> str:
     kind = run["budget_kind"]
+    if isinstance(run["budget"], float):  # a sweep along sparsity: every method at the same share
+        return f"sparsity {run['budget']:.0%}"
     if kind in ("sparsity", "slicing"):  # a width method at the share of the blocks the column's budget removes
         return f"{run['budget']} blocks' share ({kind} {run['budget_value']:.0%})"
     return f"{run['budget']} {'attention layers' if kind == 'attention_layers' else 'blocks'}"
+
+
+def _sparsity(run: dict) -> str:
+    """The share of parameters the run removed, of the blocks' and of the model's (sweeps before it: -)."""
+    sparsity = run.get("sparsity")
+    return f"{sparsity['blocks']:.1%} / {sparsity['model']:.1%}" if sparsity else "-"
 
 
 def _removed(run: dict) -> str:
@@ -53,22 +61,26 @@ def _removed(run: dict) -> str:
 def _tables(sweep: dict) -> list[tuple[str, list[str], list[list[str]]]]:
     tasks = sweep["config"]["tasks"]
     original = sweep["original"]
-    head = ["method", "budget", "removed", "parameters (M)", "ppl"] + tasks + ["avg acc", "RP ± se",
+    head = ["method", "budget", "removed", "parameters (M)", "sparsity: blocks / model", "ppl"] + tasks + ["avg acc", "RP ± se",
                                                                              "prefill speed-up (range of 5 pairs)",
                                                                              "CO₂eq compress / eval (g)"]
-    rows = [["original", "-", "-", _fmt(original["parameters"]["parameters"] / 1e6, ".1f"), _fmt(original.get("perplexity"))]
+    rows = [["original", "-", "-", _fmt(original["parameters"]["parameters"] / 1e6, ".1f"), "-",
+             _fmt(original.get("perplexity"))]
             + [_fmt(original["tasks"][t]["metrics"].get("acc"), ".3f") for t in tasks]
             + [_fmt(original.get("average_accuracy"), ".3f"), "1", "1", f"- / {_fmt(original.get('eval_kg_co2eq', 0) * 1e3, '.3f')}"]]
     for run in sweep["runs"]:
         rp = run.get("relative_performance", {}).get("average")
         rows.append([run["method"], _budget_label(run), _removed(run), _fmt(run["parameters"]["parameters"] / 1e6, ".1f"),
-                     _fmt(run.get("perplexity"))]
+                     _sparsity(run), _fmt(run.get("perplexity"))]
                     + [_fmt(run["tasks"][t]["metrics"].get("acc"), ".3f") for t in tasks]
                     + [_fmt(run.get("average_accuracy"), ".3f"),
                        f"{rp['rp']:.3f} ± {rp['stderr']:.3f}" if rp else "-",
                        speedup_label(run["speed"]),
                        f"{_fmt(run['compress_kg_co2eq'] * 1e3, '.3f')} / {_fmt(run['eval_kg_co2eq'] * 1e3, '.3f')}"])
     tables = [("Results", head, rows)]
+    if sweep.get("skipped"):
+        tables.append(("Runs skipped: a budget the method cannot reach on this model", ["method", "budget", "why"],
+                       [[r["method"], str(r["budget"]), r["reason"]] for r in sweep["skipped"]]))
     placement = sweep.get("placement")
     if placement:
         criteria = list(placement["criteria"])
@@ -111,20 +123,23 @@ def _figures(sweep: dict, folder: Path) -> list[tuple[str, Path]]:
     has_tasks = bool(sweep["config"]["tasks"])
     panels = 2 if has_tasks else 1
     figure, axes = plt.subplots(1, panels, figsize=(5.2 * panels, 3.8), squeeze=False)
+    along_sparsity = bool(sweep["config"].get("sparsities"))
+    x_label = ("share of the blocks' parameters removed (measured)" if along_sparsity
+               else "budget (blocks or attention layers)")
     for method in methods:
         runs = sorted((r for r in sweep["runs"] if r["method"] == method), key=lambda r: r["budget"])
-        budgets = [r["budget"] for r in runs]
+        budgets = [r["sparsity"]["blocks"] if along_sparsity else r["budget"] for r in runs]
         axes[0][0].plot(budgets, [r.get("perplexity") for r in runs], marker="o", label=method)
         if has_tasks:
             axes[0][1].plot(budgets, [r["relative_performance"]["average"]["rp"] for r in runs], marker="o", label=method)
     axes[0][0].axhline(sweep["original"].get("perplexity") or float("nan"), color="gray", linestyle="--", label="original")
     axes[0][0].set_yscale("log")
-    axes[0][0].set_xlabel("budget (blocks or attention layers)")
+    axes[0][0].set_xlabel(x_label)
     axes[0][0].set_ylabel("perplexity")
     axes[0][0].set_title("perplexity vs compression")
     if has_tasks:
         axes[0][1].axhline(1.0, color="gray", linestyle="--", label="original")
-        axes[0][1].set_xlabel("budget (blocks or attention layers)")
+        axes[0][1].set_xlabel(x_label)
         axes[0][1].set_ylabel("relative performance (avg over tasks)")
         axes[0][1].set_title("accuracy vs compression")
     for axis in axes[0]:
