@@ -662,29 +662,42 @@ def render_refit(parts: list[dict]) -> str:
 
 def render_refit_stage(parts: list[dict]) -> str:
     """Issue #42: every block-removal method as its paper runs it and with the refit stage after it, on the
-    same blocks, held-out perplexity per text (the ratio is plain over refitted). Runs of one model and
-    budget (a run continued in a second one) make one table."""
+    same blocks: held-out perplexity per text (the ratio is plain over refitted) and harness relative
+    performance. Runs of one model and budget (perplexity and accuracy runs, a run continued in a second
+    one) make one table; a method's rows merge across them."""
     lines = []
     runs: dict[tuple, list[dict]] = {}
     for results in parts:
         runs.setdefault((results["model"], results["blocks"]), []).append(results)
     for _, same in sorted(runs.items(), key=lambda run: (run[0][0] != "smollm2-135m", run[0])):
-        results = same[0]
+        measured = [results for results in same if "perplexity" in results["original"]]
+        if not measured:
+            continue
+        results = measured[0]
         texts = [text for text in results["original"]["perplexity"] if "held out" in text]
-        rows = {row["method"]: row for part in same for row in part["rows"]}
+        rows = {row["method"]: row for part in measured for row in part["rows"]}
+        scored = {row["method"]: row for part in same if part not in measured for row in part["rows"]}
         pairs = [(name, plain, rows[twin]) for name, plain in rows.items() if "refit=" not in name
                  and (twin := f"{name};refit=all" if ":" in name else f"{name}:refit=all") in rows]
         if not pairs:  # a baseline run whose refit rows are not measured yet
             continue
         lines += [f"### {results['model']}, {results['blocks']} blocks removed", "",
                   "| method | removed blocks | " + " | ".join(f"{text}: plain → refit" for text in texts)
-                  + " | block forwards: plain → refit |", "|---|---|" + "---|" * len(texts) + "---|",
+                  + " | RP ± se: plain → refit | block forwards: plain → refit |",
+                  "|---|---|" + "---|" * len(texts) + "---|---|",
                   "| original | - | " + " | ".join(_perplexity(results["original"]["perplexity"][t]) for t in texts)
-                  + " | - |"]
+                  + " | 1 | - |"]
         for name, plain, refitted in pairs:
             assert plain["removed_blocks"] == refitted["removed_blocks"], name
             cells = [f"{_perplexity(plain['perplexity'][t])} → **{_perplexity(refitted['perplexity'][t])}** "
                      f"({plain['perplexity'][t] / refitted['perplexity'][t]:.1f}x)" for t in texts]
+            if name in scored and refitted["method"] in scored:  # accuracy from the runs that measured it
+                for row in (plain, refitted):  # the same blocks as the perplexity run's
+                    assert scored[row["method"]]["removed_blocks"] == row["removed_blocks"], row["method"]
+                rp = [scored[row["method"]]["relative_performance"]["average"] for row in (plain, refitted)]
+                cells.append(f"{rp[0]['rp']:.3f} ± {rp[0]['stderr']:.3f} → **{rp[1]['rp']:.3f}** ± {rp[1]['stderr']:.3f}")
+            else:
+                cells.append("-")
             forwards = " → ".join(f"{row['forward_passes']:.2f}" if "forward_passes" in row else "-"
                                   for row in (plain, refitted))  # runs before their count have none
             lines.append(f"| {name} | {_span(plain['removed_blocks'])} | " + " | ".join(cells) + f" | {forwards} |")
@@ -934,7 +947,8 @@ SECTIONS: dict[str, tuple[str | tuple[str, ...], Callable]] = {
                     render_new_methods),
     "refit-stage": (("new_methods.json", "new_methods_4.json", "new_methods_12.json", "refit_stage_8.json",
                      "refit_stage_8b.json", "refit_stage_8c.json", "refit_stage_sleb_8.json", "refit_stage_4.json",
-                     "refit_stage_12.json"),
+                     "refit_stage_12.json", "new_methods_accuracy.json", "new_methods_accuracy_part2.json",
+                     "refit_stage_accuracy_8.json"),
                     render_refit_stage),
     "width": (("new_methods.json", "refit_stage_8.json", "refit_stage_8b.json", "refit_stage_8c.json", "svd_llm_8.json",
                "slicegpt_per_block_8.json", "slicegpt_shared_8.json"), render_width),
