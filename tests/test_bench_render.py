@@ -250,12 +250,25 @@ def test_refit_stage_pairs_each_setting_with_its_refit_twin_across_runs(render):
                                     row("laco", 70.0, [6])]),
         results("smollm2-135m", 8, [row("sleb:score_sequences=2;refit=all", 40.0, [4]),
                                     row("sleb:refit=all", 120.0, [3])]),
+        accuracy_run([scored("sleb", 0.6, [3]), scored("sleb:refit=all", 0.5, [3]), scored("laco", 0.7, [6])]),
     ])
     assert text.index("### smollm2-135m, 8 blocks") < text.index("### gemma3-270m, 4 blocks")
-    assert "| sleb | 3 | 60.00 → **120.00** (0.5x) | 1.00 → 1.00 |" in text
-    assert "| sleb:score_sequences=2 | 4 | 80.00 → **40.00** (2.0x) | 1.00 → 1.00 |" in text
+    assert "| sleb | 3 | 60.00 → **120.00** (0.5x) | 0.600 ± 0.020 → **0.500** ± 0.020 | 1.00 → 1.00 |" in text
+    assert "| sleb:score_sequences=2 | 4 | 80.00 → **40.00** (2.0x) | - | 1.00 → 1.00 |" in text
     assert "| uidl | 5 | 90.00 → **45.00** (2.0x)" in text
     assert "laco" not in text and "WikiText-2 (chosen on)" not in text  # no twin; held-out texts only
+    with pytest.raises(AssertionError):  # accuracy measured on other blocks than the perplexity is refused
+        render.render_refit_stage([results("smollm2-135m", 8, [row("uidl", 90.0, [5]), row("uidl:refit=all", 45.0, [5])]),
+                                   accuracy_run([scored("uidl", 0.6, [6]), scored("uidl:refit=all", 0.7, [6])])])
+
+
+def accuracy_run(rows: list[dict]) -> dict:
+    return {"provenance": PROVENANCE, "model": "smollm2-135m", "blocks": 8, "rows": rows, "tasks": ["piqa"],
+            "original": {"accuracy": {"piqa": 0.7}}}
+
+
+def scored(method: str, rp: float, blocks: list[int]) -> dict:
+    return {"method": method, "removed_blocks": blocks, "relative_performance": {"average": {"rp": rp, "stderr": 0.02}}}
 
 
 def test_block_forwards_sets_each_versions_count_side_by_side(render):
