@@ -221,3 +221,12 @@ def test_ridge_means_the_same_per_token_for_replaceme_and_nbl():
     plain, _ = fit_span_map(equations(256), "lstsq")
     assert torch.allclose(small, large, atol=1e-10) and not torch.allclose(small, plain, atol=1e-3)
     assert info["ridge_alpha"] == 0.5
+
+
+def test_layer_groups_fit_the_budget_with_at_least_one_layer_each():
+    """What NBL and SVD-LLM (and their plans) split their passes by."""
+    from blockfold.stats.sums import layer_groups
+
+    assert layer_groups([0, 1, 2, 3, 4], per_layer_bytes=10, budget=25) == [[0, 1], [2, 3], [4]]
+    assert layer_groups([3, 7], per_layer_bytes=10, budget=5) == [[3], [7]]
+    assert layer_groups([0, 1, 2], per_layer_bytes=10, budget=1000) == [[0, 1, 2]]

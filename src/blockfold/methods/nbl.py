@@ -16,6 +16,7 @@ from blockfold.methods.base import Job
 from blockfold.models.handle import ModelHandle
 from blockfold.select import LINEARITY_CRITERIA, lowest_scoring, score_layers
 from blockfold.stats import LinearStatistics, SublayerLinearity
+from blockfold.stats.sums import layer_groups
 from blockfold.surgery import linearized_entries, replace_sublayers
 
 if TYPE_CHECKING:
@@ -46,16 +47,16 @@ def measure_layers(job: Job, target: str, criterion: str) -> tuple[dict[str, dic
         if fingerprint is not None:
             job.cache.add("linearity", fingerprint, job.calibration, {"target": target}, statistics)
         return all_scores(statistics), dict(enumerate(statistics))
-    group = max(1, budget // per_layer)
-    job.notes.update(stats_budget_bytes=budget, full_sums_bytes=per_layer * num_layers, layers_per_pass=group)
+    groups = layer_groups(list(range(num_layers)), per_layer, budget)
+    job.notes.update(stats_budget_bytes=budget, full_sums_bytes=per_layer * num_layers, layers_per_pass=len(groups[0]))
     if criterion == "cosine":
         observer = SublayerLinearity(num_layers, target, moments=False)
         job.run([observer], description=f"{target} cosines")
         return {"cosine": {index: 1.0 - value for index, value in observer.mean_cosines().items()}}, {}
     scores: dict[str, dict[int, float]] = {name: {} for name in LINEARITY_CRITERIA}
-    for first in range(0, num_layers, group):
-        observer = SublayerLinearity(num_layers, target, layers=list(range(first, min(num_layers, first + group))))
-        job.run([observer], description=f"{target} statistics, layers {first}-{observer.last_layer}")
+    for group in groups:
+        observer = SublayerLinearity(num_layers, target, layers=group)
+        job.run([observer], description=f"{target} statistics, layers {group[0]}-{group[-1]}")
         for index, statistics in observer.measured().items():
             for name, score in LINEARITY_CRITERIA.items():
                 scores[name][index] = score(statistics)
@@ -65,10 +66,9 @@ def measure_layers(job: Job, target: str, criterion: str) -> tuple[dict[str, dic
 def statistics_of(job: Job, target: str, layers: list[int], kept: dict[int, LinearStatistics]) -> dict[int, LinearStatistics]:
     """The moments of ``layers``: those already ``kept``, the others from passes over groups that fit the budget."""
     missing = [layer for layer in layers if layer not in kept]
-    group = max(1, job.runner.stats_budget() // SublayerLinearity.sums_bytes_for(1, job.hidden_size))
     found = {layer: kept[layer] for layer in layers if layer in kept}
-    for first in range(0, len(missing), group):
-        observer = SublayerLinearity(job.num_layers, target, layers=missing[first : first + group])
+    for group in layer_groups(missing, SublayerLinearity.sums_bytes_for(1, job.hidden_size), job.runner.stats_budget()):
+        observer = SublayerLinearity(job.num_layers, target, layers=group)
         job.run([observer], description=f"{target} statistics of the chosen layers")
         found.update(observer.measured())
     return found
@@ -180,7 +180,7 @@ def plan_linearity(context: PlanContext) -> MethodPlan:
         plan.stats_flops_per_token = num_layers * 10 * d * d
         plan.notes.append(f"five d x d moments for each of the {num_layers} layers ({target})")
     else:
-        group = max(1, budget // per_layer)
+        group = len(layer_groups(list(range(num_layers)), per_layer, budget)[0])
         fits_maps = hasattr(settings, "linearity_criterion")  # DROP removes what it ranks, with no map to fit
         fit_passes = math.ceil(count / group) if fits_maps else 0
         score_passes = 1 if criterion == "cosine" else math.ceil(num_layers / group)

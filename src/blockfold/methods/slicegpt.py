@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from blockfold.errors import BlockfoldError
+from blockfold.estimate.signs import column_signs
 from blockfold.methods.base import Job
 from blockfold.stats.covariance import StreamCovariance
 from blockfold.surgery import attach_sliced, fold_into_projection
@@ -65,8 +66,7 @@ def principal_directions(gram: torch.Tensor) -> torch.Tensor:
     on other hardware agree), as the columns of an orthogonal matrix (float64)."""
     values, vectors = torch.linalg.eigh(gram.double())
     vectors = vectors.flip(-1)
-    signs = torch.sign(vectors.gather(0, vectors.abs().argmax(0, keepdim=True)))[0]
-    return vectors * torch.where(signs == 0, torch.ones_like(signs), signs)
+    return vectors * column_signs(vectors)
 
 
 @torch.no_grad()

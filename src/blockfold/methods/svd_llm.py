@@ -22,8 +22,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from blockfold.errors import BlockfoldError
+from blockfold.estimate.signs import column_signs
 from blockfold.methods.base import Job
 from blockfold.stats.covariance import InputCovariance
+from blockfold.stats.sums import layer_groups
 from blockfold.surgery import factor_projections
 
 if TYPE_CHECKING:
@@ -65,8 +67,7 @@ def factor(weight: torch.Tensor, rank: int, gram: torch.Tensor | None) -> tuple[
                                  "calibration activations hold NaN or infinite values; check the model in float32")
         u, s, vh = torch.linalg.svd(w @ root, full_matrices=False)
         first = torch.linalg.solve_triangular(root, vh[:rank], upper=False, left=False)  # V_rᵀ S⁻¹
-    # each singular pair's sign fixed (the largest entry of u positive), so runs on other hardware agree
-    signs = torch.sign(u.gather(0, u.abs().argmax(0, keepdim=True)))[0, :rank]
+    signs = column_signs(u[:, :rank])  # each singular pair's sign fixed: the largest entry of u positive
     u, first = u[:, :rank] * signs, first * signs[:, None]
     half = s[:rank].sqrt()
     energy = float((s * s).sum())
@@ -77,12 +78,11 @@ def factor(weight: torch.Tensor, rank: int, gram: torch.Tensor | None) -> tuple[
 def _layer_groups(job: Job, widths: list[int]) -> list[list[int]]:
     """The layers whose input moments one pass gathers: all at once where they fit the statistics budget."""
     per_layer = InputCovariance.sums_bytes_for(1, widths)
-    group = max(1, job.runner.stats_budget() // per_layer)
-    layers = list(range(job.num_layers))
-    if group < len(layers):
-        job.notes.update(stats_budget_bytes=job.runner.stats_budget(), full_sums_bytes=per_layer * len(layers),
-                         layers_per_pass=group)
-    return [layers[first:first + group] for first in range(0, len(layers), group)]
+    groups = layer_groups(list(range(job.num_layers)), per_layer, job.runner.stats_budget())
+    if len(groups) > 1:
+        job.notes.update(stats_budget_bytes=job.runner.stats_budget(), full_sums_bytes=per_layer * job.num_layers,
+                         layers_per_pass=len(groups[0]))
+    return groups
 
 
 def check_dense(adapter, model) -> None:
@@ -139,9 +139,10 @@ def plan_svd_llm(context: PlanContext) -> MethodPlan:
         return MethodPlan(passes=0, notes=["plain SVD of the weights: no calibration pass"])
     widths = input_widths(context.adapter, layers[0])
     per_layer = InputCovariance.sums_bytes_for(1, widths)
-    group = min(context.num_layers, max(1, context.budget // per_layer))
-    plan = MethodPlan(passes=math.ceil(context.num_layers / group), sums=group * per_layer)
-    plan.observers.append(InputCovariance(context.num_layers, list(range(group)), widths))
+    groups = layer_groups(list(range(context.num_layers)), per_layer, context.budget)
+    group = len(groups[0])
+    plan = MethodPlan(passes=len(groups), sums=group * per_layer)
+    plan.observers.append(InputCovariance(context.num_layers, groups[0], widths))
     plan.stats_flops_per_token = group * sum(2 * width * width for width in widths)
     plan.notes.append(f"input moments of {len(widths)} widths ({', '.join(map(str, widths))}) per layer, "
                       f"{gib(per_layer)} each, {group} layer(s) per pass")
