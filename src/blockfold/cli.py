@@ -980,7 +980,8 @@ def reference_markdown() -> str:
              "[defaults.md](defaults.md).", ""]
     for name, command in commands.choices.items():
         lines += [f"## `blockfold {name}`", "", helps[name][0].upper() + helps[name][1:] + ".", ""]
-        options = [action for action in command._actions if not isinstance(action, argparse._HelpAction)]
+        options = [action for action in command._actions  # old names kept for a release are not documented
+                   if not isinstance(action, argparse._HelpAction) and action.help != argparse.SUPPRESS]
         if not options:
             continue
         lines += ["| Option | Values | Default | What it does |", "|---|---|---|---|"]
