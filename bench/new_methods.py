@@ -69,33 +69,40 @@ def evaluation_dtype(name: str, device: str) -> torch.dtype:
     return getattr(torch, name)
 
 
-def earlier_original(path: str, model: str, tasks: list[str], limit: int, dtype_name: str,
+def earlier_original(paths: list[str], model: str, tasks: list[str], limit: int, dtype_name: str,
                      texts: list[str]) -> dict:
-    """The original's harness accuracy (with ``tasks``) and perplexity on ``texts`` (where given) from an
-    earlier run of the same model, tasks, limit and dtype, so a run that adds rows to a table does not
-    spend minutes (a quarter of an hour for the harness) re-measuring the same model."""
-    try:
-        earlier = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as error:
-        earlier = error
-    if not isinstance(earlier, dict):
-        raise SystemExit(f"--original-from {path}: not a results JSON ({earlier}); give a file a run of this "
-                         "bench wrote")
-    original, taken = earlier.get("original", {}), {}
+    """The original's harness accuracy (with ``tasks``) and perplexity on ``texts`` (where given) from earlier
+    runs of the same model, tasks, limit and dtype (each figure from the first of ``paths`` that measured it),
+    so a run that adds rows to a table does not spend minutes (a quarter of an hour for the harness)
+    re-measuring the same model."""
+    runs = {}
+    for path in paths:
+        try:
+            runs[path] = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as error:
+            runs[path] = error
+        if not isinstance(runs[path], dict):
+            raise SystemExit(f"--original-from {path}: not a results JSON ({runs[path]}); give a file a run of this "
+                             "bench wrote")
+    taken = {}
     if tasks:
         wanted = {"model": model, "tasks": tasks, "limit": limit, "eval_dtype": dtype_name}
-        found = {key: earlier.get(key) for key in wanted}
-        if found != wanted or "accuracy" not in original:
-            raise SystemExit(f"--original-from {path}: it measured {found}, this run measures {wanted}; give a run of "
-                             "the same model, tasks, limit and dtype, or leave the option out to measure the original here")
-        taken["accuracy"] = original["accuracy"]
+        found = {path: {key: earlier.get(key) for key in wanted} for path, earlier in runs.items()}
+        same = [path for path, earlier in runs.items() if found[path] == wanted and "accuracy" in earlier.get("original", {})]
+        if not same:
+            raise SystemExit(f"--original-from {', '.join(paths)}: they measured {list(found.values())}, this run "
+                             f"measures {wanted}; give a run of the same model, tasks, limit and dtype, or leave the "
+                             "option out to measure the original here")
+        taken["accuracy"] = runs[same[0]]["original"]["accuracy"]
     if texts:
-        measured = sorted(original.get("perplexity", {}))
-        if earlier.get("model") != model or measured != sorted(texts):
-            raise SystemExit(f"--original-from {path}: it measured the perplexity of {earlier.get('model')} on "
-                             f"{measured}, this run measures {model} on {sorted(texts)}; give a run of the same model "
-                             "and --windows, or leave the option out to measure the original here")
-        taken["perplexity"] = original["perplexity"]
+        measured = {path: sorted(earlier.get("original", {}).get("perplexity", {})) for path, earlier in runs.items()}
+        same = [path for path, earlier in runs.items() if earlier.get("model") == model and measured[path] == sorted(texts)]
+        if not same:
+            raise SystemExit(f"--original-from {', '.join(paths)}: they measured the perplexity of "
+                             f"{[(earlier.get('model'), measured[path]) for path, earlier in runs.items()]}, this run "
+                             f"measures {model} on {sorted(texts)}; give a run of the same model and --windows, or "
+                             "leave the option out to measure the original here")
+        taken["perplexity"] = runs[same[0]]["original"]["perplexity"]
     return taken
 
 
@@ -125,8 +132,8 @@ def main() -> None:
                         help="the copy the harness runs (auto: bfloat16 on cuda, float32 on cpu)")
     parser.add_argument("--no-perplexity", action="store_true", help="harness accuracy only")
     parser.add_argument("--original-from", default=None,
-                        help="take the original's accuracy and perplexity from this earlier results JSON (same model, "
-                             "tasks, limit, dtype and --windows) instead of measuring them again")
+                        help="take the original's accuracy and perplexity from these earlier results JSONs (comma-"
+                             "separated; same model, tasks, limit, dtype and --windows) instead of measuring them again")
     parser.add_argument("--device", default="cpu", help="where the models run (cuda: the harness tables take minutes "
                                                         "there, hours on two CPU cores)")
     parser.add_argument("--sleb-sequences", type=int, default=4,
@@ -155,7 +162,7 @@ def main() -> None:
     results["calibration"] = calibration.description
     results["num_layers"] = loaded.model.config.num_hidden_layers
     texts = evaluation_texts(loaded.tokenizer, args.windows)
-    earlier = (earlier_original(args.original_from, args.model, tasks, args.limit, dtype_name,
+    earlier = (earlier_original(args.original_from.split(","), args.model, tasks, args.limit, dtype_name,
                                 [] if args.no_perplexity else list(texts)) if args.original_from else {})
     handle = as_handle(copy.deepcopy(loaded.model), loaded.tokenizer, None)
     started = time.perf_counter()
@@ -180,7 +187,8 @@ def main() -> None:
         method_calibration = sleb_calibration if method == "sleb" and "score_sequences" not in settings else calibration
         started = time.perf_counter()
         # a width method keeps its own budget (sparsity, slicing), which the row's settings give
-        budget = {"blocks": args.blocks} if issubclass(SETTINGS[method], BlockBudget) else {}
+        budget = ({"blocks": args.blocks} if issubclass(SETTINGS[method], BlockBudget)
+                  and not settings.keys() & {"sparsity", "ratio"} else {})
         result = blockfold.compress(model, loaded.tokenizer, Recipe.parse({"method": method, **budget, **settings}),
                                     calibration=method_calibration)
         seconds = time.perf_counter() - started

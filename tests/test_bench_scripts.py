@@ -106,14 +106,20 @@ def test_new_methods_bench_keeps_the_original_before_any_row(tmp_path):
                "original": {"accuracy": accuracy}, "rows": []}
     path = tmp_path / "part1.json"
     new_methods.write_json(str(path), results)
-    assert new_methods.earlier_original(str(path), "gemma3-270m", ["piqa"], 500, "float32", []) == {"accuracy": accuracy}
+    assert new_methods.earlier_original([str(path)], "gemma3-270m", ["piqa"], 500, "float32", []) == {"accuracy": accuracy}
     with pytest.raises(SystemExit, match="same model, tasks, limit and dtype"):
-        new_methods.earlier_original(str(path), "gemma3-270m", ["piqa"], 100, "float32", [])
+        new_methods.earlier_original([str(path)], "gemma3-270m", ["piqa"], 100, "float32", [])
     with pytest.raises(SystemExit, match="same model and --windows"):  # it measured no perplexity
-        new_methods.earlier_original(str(path), "gemma3-270m", ["piqa"], 500, "float32", ["C4 (held out)"])
+        new_methods.earlier_original([str(path)], "gemma3-270m", ["piqa"], 500, "float32", ["C4 (held out)"])
     perplexity = {"C4 (held out)": 30.0}
     new_methods.write_json(str(path), results | {"original": {"perplexity": perplexity}})
-    assert new_methods.earlier_original(str(path), "gemma3-270m", [], 500, "float32", ["C4 (held out)"]) == \
+    assert new_methods.earlier_original([str(path)], "gemma3-270m", [], 500, "float32", ["C4 (held out)"]) == \
         {"perplexity": perplexity}
     with pytest.raises(SystemExit, match="same model and --windows"):
-        new_methods.earlier_original(str(path), "smollm2-135m", [], 500, "float32", ["C4 (held out)"])
+        new_methods.earlier_original([str(path)], "smollm2-135m", [], 500, "float32", ["C4 (held out)"])
+
+    # a run that measures both takes each from the file that has it
+    scores = tmp_path / "accuracy.json"
+    new_methods.write_json(str(scores), results)
+    assert new_methods.earlier_original([str(path), str(scores)], "gemma3-270m", ["piqa"], 500, "float32",
+                                        ["C4 (held out)"]) == {"accuracy": accuracy, "perplexity": perplexity}
