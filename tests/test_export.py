@@ -181,6 +181,30 @@ def test_nbl_outputs_are_refused_with_the_reason(tmp_path):
         export_gguf(folder, tmp_path / "nbl.gguf")
 
 
+def test_an_untied_sliced_model_is_a_stock_checkpoint_that_exports(tmp_path):
+    """SliceGPT on a model with untied embeddings leaves a stock model of a narrower stream (the heads keep
+    their width): no blockfold class, no modeling code, and its GGUF gives the checkpoint's logits."""
+    from tokenizers import pre_tokenizers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = _bpe_folder(tmp_path, pre_tokenizers.ByteLevel(add_prefix_space=False))
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    assert not model.config.tie_word_embeddings
+    result = blockfold.compress(model, AutoTokenizer.from_pretrained(folder), blockfold.SliceGPT(slicing=0.25),
+                                calibration=random_calibration(16, 32))
+    sliced = result.save(tmp_path / "sliced")
+    config = json.loads((sliced / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and not [key for key in config if "blockfold" in key]
+    assert config["hidden_size"] == 24 and config["head_dim"] == 8 and not list(sliced.glob("*.py"))
+    export_gguf(sliced, tmp_path / "sliced.gguf", quant="f32")
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    with torch.no_grad():
+        saved = AutoModelForCausalLM.from_pretrained(sliced, dtype=torch.float32)(ids).logits
+        exported = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="sliced.gguf", dtype=torch.float32)(ids).logits
+        in_memory = result.handle.model(ids).logits
+    assert torch.equal(saved, in_memory) and torch.allclose(exported, saved, atol=1e-5)
+
+
 def test_weights_float16_would_flush_go_out_in_float32():
     """Gemma's linearized-norm fold scales its down-projection by about 1e-10: float16, and the float16
     block scales of every quantized type, would zero it (llama.cpp then gave 0/20 of transformers' tokens)."""

@@ -133,17 +133,20 @@ def prune_projections(handle: ModelHandle, kept: dict[tuple[int, str], tuple[tor
 
 @torch.no_grad()
 def attach_sliced(handle: ModelHandle, width: int, head_map: torch.Tensor | None) -> None:
-    """Make ``handle``'s model, whose weights were rotated and sliced to ``width``, its blockfold class: the
-    config's hidden size becomes ``width`` (the heads keep theirs) and ``head_map`` (``width × width``, the
-    stream times it; tied embeddings only) follows the final norm, owned by the handle. The config records
-    it (``blockfold_sliced``)."""
+    """Give ``handle``'s model, whose weights were rotated and sliced to ``width``, the config that says so:
+    its hidden size becomes ``width`` (the heads keep theirs). Without a ``head_map`` that is a stock model
+    of a narrower stream (a standard checkpoint every engine loads); with one (``width × width``, the stream
+    times it after the final norm, for tied embeddings) the model becomes its blockfold class, which owns
+    the map, and the config records it (``blockfold_sliced``)."""
     model = handle.model
-    config_class, model_class = _blockfold_classes(model)
     config = model.config
     if getattr(config, "head_dim", None) is None:
         config.head_dim = config.hidden_size // config.num_attention_heads
     config.hidden_size = width
-    setattr(config, SLICED_FIELD, {"head_map": head_map is not None})
+    if head_map is None:
+        return
+    config_class, model_class = _blockfold_classes(model)
+    setattr(config, SLICED_FIELD, {"head_map": True})
     device = None if handle.resident else "meta"  # asked before the new module changes the answer
     for module in shipped.attach_slicing(model, config, device=device):
         handle.own(module, "weight", head_map.T)  # nn.Linear computes x Wᵀ
