@@ -215,3 +215,23 @@ def test_perplexity_windows_each_start_as_a_text_does(adds_bos):
     assert tokenize_windows(text, tokenizer, 16, 2).tolist() == windows[:2].tolist()
     with pytest.raises(BlockfoldError, match="fewer than one window"):
         tokenize_windows(_words(5), tokenizer, 16, None)
+
+
+def test_a_perplexity_text_names_a_part_of_itself(tmp_path):
+    """``PATH[FIRST:LAST]``: windows FIRST to LAST of a text file, documents FIRST to LAST of a JSON-lines file,
+    so text held out from calibration or from what chose a default is named on the command line."""
+    from blockfold.eval import read_eval_text, tokenize_windows
+
+    tokenizer = tiny_tokenizer()
+    (tmp_path / "text.txt").write_text(_words(100))
+    every = tokenize_windows(read_eval_text(tmp_path / "text.txt"), tokenizer, 16, None)
+    assert tokenize_windows(read_eval_text(f"{tmp_path / 'text.txt'}[2:4]"), tokenizer, 16, None).tolist() == every[2:4].tolist()
+    assert tokenize_windows(read_eval_text(f"{tmp_path / 'text.txt'}[3:]"), tokenizer, 16, 1).tolist() == every[3:4].tolist()
+    with pytest.raises(BlockfoldError, match="none of them in the part"):
+        tokenize_windows(read_eval_text(f"{tmp_path / 'text.txt'}[50:]"), tokenizer, 16, None)
+    documents = tmp_path / "documents.jsonl"
+    documents.write_text("\n".join(json.dumps({"text": f"document {number}"}) for number in range(5)))
+    assert read_eval_text(f"{documents}[3:]") == "document 3\n\ndocument 4"
+    documents.write_text('{"text": "one"}\nnot json\n')
+    with pytest.raises(BlockfoldError, match="line 2: a JSON-lines perplexity text needs"):
+        read_eval_text(documents)

@@ -262,3 +262,35 @@ def test_a_sweep_takes_blocks_or_sparsities_not_both(tiny_and_corpus, tmp_path, 
     assert main(["sweep", "--model", str(folder), "--out", str(tmp_path / "run"), "--budgets", "2",
                  "--sparsity", "0.3"]) == 2
     assert "not both" in capsys.readouterr().err
+
+
+def test_a_sweep_row_takes_settings_and_measures_every_text_decoding_and_memory(tiny_and_corpus, tmp_path):
+    """Issue #44's comparison as one sweep: rows with their own settings (a baseline with the refit stage),
+    perplexity on named parts of several texts, decode beside prefill speed-up, and each compress's peak."""
+    folder, corpus = tiny_and_corpus
+    documents = tmp_path / "documents.jsonl"
+    documents.write_text("\n".join(json.dumps({"text": " ".join(f"w{(i * 3 + n) % 90}" for i in range(200))})
+                                   for n in range(30)))
+    out = tmp_path / "run"
+    primary, held_out = f"{corpus}[2:4]", f"{documents}[10:]"
+    assert main(["sweep", "--model", str(folder), "--out", str(out), "--methods", "uidl:refit=all,drop-block",
+                 "--budgets", "2", "--calib", str(corpus), "--num-seqs", "8", "--seq-len", "32", "--ppl", primary,
+                 "--held-out", held_out, "--ppl-windows", "2", "--no-analysis", "--save-models"]) == 0
+    sweep = json.loads((out / "sweep.json").read_text())
+    runs = {run["method"]: run for run in sweep["runs"]}
+    assert set(runs) == {"uidl:refit=all", "drop-block"}
+    assert runs["uidl:refit=all"]["settings"]["refit"] == "all" and runs["drop-block"]["settings"]["refit"] == "none"
+    assert set(sweep["original"]["perplexities"]) == {primary, held_out}
+    for run in runs.values():
+        assert set(run["perplexities"]) == {primary, held_out} and run["perplexity"] == run["perplexities"][primary]
+        assert run["decode_speed"]["speedup"] > 0 and run["decode_speed"]["new_tokens"] == 32
+        assert run["compress_peak_memory_bytes"] > 0
+    assert (out / "models" / "uidl-refit-all-2" / "config.json").is_file()
+    table = (out / "report.md").read_text()
+    assert f"ppl: {held_out}" in table and "decode speed-up" in table and "peak memory" in table
+
+
+def test_a_sweep_refuses_a_setting_its_method_lacks_before_any_work(tiny_and_corpus, tmp_path, capsys):
+    folder, _ = tiny_and_corpus
+    assert main(["sweep", "--model", str(folder), "--out", str(tmp_path / "run"), "--methods", "uidl:estimator=lstsq"]) == 2
+    assert "estimator" in capsys.readouterr().err and not (tmp_path / "run").exists()

@@ -359,8 +359,11 @@ def _add_sweep(sub) -> None:
     p.add_argument("--tasks", default="", help="harness tasks, as for eval --tasks")
     p.add_argument("--limit", type=int)
     p.add_argument("--fewshot", type=int, default=0)
-    p.add_argument("--ppl", nargs="?", const=str(DEFAULT_PPL_TEXT), default=str(DEFAULT_PPL_TEXT))
-    p.add_argument("--ppl-windows", type=int, default=40)
+    p.add_argument("--ppl", nargs="?", const=str(DEFAULT_PPL_TEXT), default=str(DEFAULT_PPL_TEXT),
+                   help="perplexity text: PATH, or PATH[FIRST:LAST] for some of its windows (a .jsonl: documents)")
+    p.add_argument("--held-out", metavar="TEXTS",
+                   help="more perplexity texts, comma-separated, e.g. 'c4_demo.jsonl[200:],lambada_test.jsonl'")
+    p.add_argument("--ppl-windows", type=int, default=40, help="windows of 512 tokens per text, at most")
     p.add_argument("--calib", help="calibration source (default: self-generated)")
     p.add_argument("--num-seqs", type=int, default=64)
     p.add_argument("--seq-len", type=int, default=512)
@@ -785,6 +788,7 @@ def cmd_sweep(args) -> int:
         "model": args.model, "methods": [m for m in args.methods.split(",") if m], **axis,
         "tasks": [t for t in args.tasks.split(",") if t], "limit": args.limit, "fewshot": args.fewshot,
         "ppl_text": args.ppl, "ppl_windows": args.ppl_windows, "placement_blocks": args.placement,
+        "held_out": [text for text in (args.held_out or "").split(",") if text],
         "analysis": not args.no_analysis, "country_iso_code": args.country, "save_models": args.save_models,
         "eval_dtype": args.eval_dtype, "execution": _execution_from_args(args).model_dump(),
         "calibration": {"source": args.calib, "num_sequences": args.num_seqs, "sequence_length": args.seq_len,
@@ -809,7 +813,8 @@ def cmd_sweep(args) -> int:
                      removed + f"ppl {run.get('perplexity', float('nan')):.2f}, "
                      f"{run['parameters']['parameters'] / 1e6:.1f}M parameters"
                      + (f", RP {rp['rp']:.3f} ± {rp['stderr']:.3f}" if rp else "")
-                     + f", prefill {speedup_label(run['speed'])}"))
+                     + f", prefill {speedup_label(run['speed'])}"
+                     + (f", decode {speedup_label(run['decode_speed'])}" if "decode_speed" in run else "")))
         if run.get("checkpoint"):
             checkpoint = f"{args.out}/{run['checkpoint']}"
             rows.append(("  saved", f"{checkpoint} (loads with AutoModelForCausalLM.from_pretrained)"))

@@ -7,6 +7,7 @@ statistics (always float64), and the manifest records which one ran.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import os
@@ -151,6 +152,33 @@ def free_memory(device: torch.device) -> int | None:
         except OSError:
             return None
     return None
+
+
+@contextlib.contextmanager
+def peak_memory(device: torch.device, record: dict, key: str):
+    """Adds ``record[key]``: the most memory in use while the block runs, in bytes. On an accelerator the
+    allocator's peak; on a CPU the process's peak resident set (Linux's VmHWM, reset as the block starts
+    through ``/proc/self/clear_refs``), which counts everything the process holds, not the block alone.
+    None where neither can be read."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        try:
+            Path("/proc/self/clear_refs").write_text("5")
+        except OSError:
+            device = None  # no way to start the count here
+    try:
+        yield
+    finally:
+        record[key] = None
+        if device is not None and device.type == "cuda":
+            record[key] = int(torch.cuda.max_memory_allocated(device))
+        elif device is not None:
+            with contextlib.suppress(OSError, ValueError, IndexError, StopIteration):
+                line = next(line for line in Path("/proc/self/status").read_text().splitlines()
+                            if line.startswith("VmHWM:"))
+                record[key] = int(line.split()[1]) * 1024
 
 
 def check_offload_dir(path: str | None, needed_bytes: int = 0) -> Path:

@@ -14,6 +14,7 @@ import contextlib
 import copy
 import json
 import logging
+import re
 import tempfile
 import time
 from contextlib import contextmanager
@@ -22,6 +23,7 @@ from typing import Literal
 
 import numpy as np
 import torch
+import yaml
 from pydantic import Field, model_validator
 
 import blockfold
@@ -31,9 +33,9 @@ from blockfold.api import environment
 from blockfold.data import build_calibration
 from blockfold.errors import BlockfoldError
 from blockfold.eval import perplexity, read_eval_text, tokenize_windows
-from blockfold.eval.speed import kv_cache_bytes, parameter_counts, prefill_seconds
+from blockfold.eval.speed import decode_seconds, kv_cache_bytes, parameter_counts, prefill_seconds
 from blockfold.recipe import CalibrationConfig, Recipe
-from blockfold.runtime import Execution
+from blockfold.runtime import Execution, peak_memory
 from blockfold.schema import Strict
 from blockfold.surgery import staged_folder
 
@@ -52,11 +54,14 @@ class SweepConfig(Strict):
     tasks: list[str] = Field(default_factory=list)
     limit: int | None = Field(None, ge=1)
     fewshot: int = Field(0, ge=0)
-    ppl_text: str | None = None
+    ppl_text: str | None = None  # PATH or PATH[FIRST:LAST] (eval.perplexity.read_eval_text)
+    #: further perplexity texts, measured beside ``ppl_text`` (e.g. C4 documents the calibration never saw)
+    held_out: list[str] = Field(default_factory=list)
     ppl_windows: int | None = Field(40, ge=1)
     calibration: CalibrationConfig = Field(default_factory=CalibrationConfig)
     placement_blocks: int | None = Field(None, ge=1)
     speed_length: int = Field(512, ge=8)
+    decode_tokens: int = Field(32, ge=1)  # greedy steps the decode speed-up is timed on
     analysis: bool = True  # also run `analyze` (span heatmap, layer similarity, linearity) into analysis/
     save_models: bool = False  # keep every compressed checkpoint under models/<method>-<budget>/
     country_iso_code: str = "USA"
@@ -66,6 +71,13 @@ class SweepConfig(Strict):
     eval_dtype: Literal["float32", "bfloat16"] = "float32"
     # where and in what precision the compressions run (the models stay resident for evaluation)
     execution: Execution = Field(default_factory=Execution)
+
+    @model_validator(mode="after")
+    def _known_methods(self):
+        for spec in self.methods:  # a wrong name or setting fails here, before hours of work
+            method, settings = parse_method_spec(spec)
+            Recipe.parse({"method": method, **settings}, origin=f"--methods {spec}")
+        return self
 
     @model_validator(mode="after")
     def _one_axis(self):
@@ -78,6 +90,19 @@ class SweepConfig(Strict):
     def axis(self) -> list[int] | list[float]:
         """The budgets the runs take: sparsities where given, else blocks (or attention layers)."""
         return self.sparsities or self.budgets
+
+
+def parse_method_spec(spec: str) -> tuple[str, dict]:
+    """``sleb:score_sequences=2;refit=all`` → (``sleb``, its settings): a method with settings of its own, as
+    a sweep's row (values read as YAML scalars: numbers, true/false, names)."""
+    method, _, rest = spec.partition(":")
+    settings = {}
+    for item in filter(None, rest.split(";")):
+        key, equals, value = item.partition("=")
+        if not equals:
+            raise ValueError(f"--methods {spec}: write each setting as KEY=VALUE, e.g. sleb:score_sequences=2;refit=all")
+        settings[key.strip()] = yaml.safe_load(value)
+    return method.strip(), settings
 
 
 def in_eval_dtype(model, dtype: str, copy_first: bool):
@@ -111,12 +136,16 @@ def emissions(record: dict, key: str, country: str):
         record[key] = float(tracker.stop() or 0.0) if tracker is not None else float("nan")
 
 
-def _measure_model(model, tokenizer, config: SweepConfig, windows, fingerprint_cache: Path | None) -> dict:
+def _measure_model(model, tokenizer, config: SweepConfig, texts: dict, fingerprint_cache: Path | None) -> dict:
+    """Size, perplexity on every text of ``texts`` (name → windows; the first is the run's ``perplexity``)
+    and task accuracy."""
     from blockfold.models import model_fingerprint
 
     result = {"parameters": parameter_counts(model), "kv_cache_bytes_per_token": kv_cache_bytes(model, 64) / 64}
-    if windows is not None:
-        result.update(perplexity(model, windows, description="perplexity"))
+    if texts:
+        measured = {name: perplexity(model, windows, description=f"perplexity: {name}") for name, windows in texts.items()}
+        result.update(next(iter(measured.values())))
+        result["perplexities"] = {name: value["perplexity"] for name, value in measured.items()}
     if config.tasks:
         from blockfold.eval.tasks import cached_evaluate
 
@@ -128,22 +157,35 @@ def _measure_model(model, tokenizer, config: SweepConfig, windows, fingerprint_c
     return result
 
 
-def _prefill_speedup(original, compressed, length: int, repeats: int = 5) -> dict:
-    """Tokens/s of both, interleaved after one untimed call each: the median of ``repeats`` and the
-    range of the per-pair ratios, so a speed-up on a noisy machine says when it is inside the noise
-    (``within_noise``: the pairs disagree on which model is faster). A ratio from one run, not a
-    benchmark: with 3 cold repeats a 2-of-30-block model once measured 0.97x."""
+def _speedup(original, compressed, timed, tokens: int, repeats: int = 5) -> dict:
+    """Tokens/s of both under ``timed(model)`` (seconds for ``tokens`` tokens), interleaved after one untimed
+    call each: the median of ``repeats`` and the range of the per-pair ratios, so a speed-up on a noisy
+    machine says when it is inside the noise (``within_noise``: the pairs disagree on which model is
+    faster). A ratio from one run, not a benchmark: with 3 cold repeats a 2-of-30-block model once
+    measured 0.97x."""
     for model in (original, compressed):
-        prefill_seconds(model, length)
+        timed(model)
     times = {"original": [], "compressed": []}
     for _ in range(repeats):
         for name, model in (("original", original), ("compressed", compressed)):
-            times[name].append(prefill_seconds(model, length))
+            times[name].append(timed(model))
     original_s, compressed_s = (float(np.median(times[k])) for k in ("original", "compressed"))
     pairs = [o / c for o, c in zip(times["original"], times["compressed"])]
-    return {"length": length, "original_tokens_per_s": length / original_s, "tokens_per_s": length / compressed_s,
+    return {"original_tokens_per_s": tokens / original_s, "tokens_per_s": tokens / compressed_s,
             "speedup": original_s / compressed_s, "pair_speedups": pairs,
             "speedup_range": [min(pairs), max(pairs)], "within_noise": min(pairs) <= 1.0 <= max(pairs)}
+
+
+def _prefill_speedup(original, compressed, length: int) -> dict:
+    """Prefill of ``length`` tokens (the KV cache filled, one logit row)."""
+    return {"length": length, **_speedup(original, compressed, lambda model: prefill_seconds(model, length), length)}
+
+
+def _decode_speedup(original, compressed, new_tokens: int, prompt_length: int = 64) -> dict:
+    """Greedy decoding of ``new_tokens`` one at a time after a prompt (prefill excluded), where a cut
+    block or attention layer saves its share of every step."""
+    return {"new_tokens": new_tokens, "prompt_length": prompt_length,
+            **_speedup(original, compressed, lambda model: decode_seconds(model, prompt_length, new_tokens), new_tokens)}
 
 
 def run_sweep(config: SweepConfig, out: Path, overwrite: bool = False) -> dict:
@@ -163,16 +205,16 @@ def _run_into(config: SweepConfig, stage: Path) -> dict:
     from blockfold.models.sources import cache_dir
     from blockfold.settings import SETTINGS, SpanSelection
 
-    unknown = [m for m in config.methods if m not in METHODS]
+    unknown = [m for m in config.methods if parse_method_spec(m)[0] not in METHODS]
     if unknown:
         raise BlockfoldError(f"unknown methods {unknown}: use {', '.join(sorted(METHODS))}")
     if config.tasks:
         task_configs(config.tasks)  # fail on unknown tasks before hours of work
-    text = read_eval_text(config.ppl_text) if config.ppl_text else None
+    read = [read_eval_text(spec) for spec in ([config.ppl_text] if config.ppl_text else []) + config.held_out]
     execution = config.execution
     handle = load_model(config.model, dtype=execution.dtype, device=execution.device, check=get_adapter)
     model, tokenizer = handle.model, handle.tokenizer
-    windows = tokenize_windows(text, tokenizer, 512, config.ppl_windows) if text else None
+    texts = {text.name: tokenize_windows(text, tokenizer, 512, config.ppl_windows) for text in read}
     calibration = build_calibration(config.calibration, tokenizer, model)
     task_cache = cache_dir() / "tasks"
     cache = PassCache()  # every compression of these weights shares the first pass it needs
@@ -186,50 +228,54 @@ def _run_into(config: SweepConfig, stage: Path) -> dict:
     size = handle.adapter.model_size(handle.model)
     original, original_measured = {}, in_eval_dtype(model, config.eval_dtype, copy_first=True)
     with emissions(original, "eval_kg_co2eq", config.country_iso_code):
-        original.update(_measure_model(original_measured, tokenizer, config, windows, task_cache))
+        original.update(_measure_model(original_measured, tokenizer, config, texts, task_cache))
     result["original"] = original
 
-    def one_run(method: str, budget: int | float) -> None:
+    def one_run(spec: str, budget: int | float) -> None:
+        method, settings = parse_method_spec(spec)
         if config.sparsities:
             budget_field, value = "sparsity", budget
         else:
             budget_field, value = method_budget(SETTINGS[method], budget, handle.num_layers())
-        recipe = Recipe.parse({"method": method, budget_field: value,
-                               "calibration": config.calibration.model_dump()}, origin=f"{method} at {budget}")
+        recipe = Recipe.parse({"method": method, **settings, budget_field: value,
+                               "calibration": config.calibration.model_dump()}, origin=f"{spec} at {budget}")
         try:  # a sparsity a method cannot reach on this model (NBL's attention is a small share) skips the run
             recipe.settings.for_model(size)
         except BlockfoldError as error:
-            result["skipped"].append({"method": method, "budget": budget, "reason": str(error)})
-            logger.warning("sweep: %s at %s skipped: %s", method, budget, error)
+            result["skipped"].append({"method": spec, "budget": budget, "reason": str(error)})
+            logger.warning("sweep: %s at %s skipped: %s", spec, budget, error)
             return
-        run = {"method": method, "budget": budget, "budget_kind": budget_field, "budget_value": value,
+        run = {"method": spec, "budget": budget, "budget_kind": budget_field, "budget_value": value,
                "sparsity": None}
-        with emissions(run, "compress_kg_co2eq", config.country_iso_code):
+        with emissions(run, "compress_kg_co2eq", config.country_iso_code), \
+                peak_memory(handle.device, run, "compress_peak_memory_bytes"):
             compressed = blockfold.compress(handle.fresh_copy(), recipe=recipe, calibration=calibration,
                                             execution=execution, cache=cache)
         manifest = compressed.manifest
-        run.update({"removed_blocks": manifest.get("removed_blocks"), "replaced": manifest.get("replaced"),
+        run.update({"settings": manifest["recipe"]["settings"],
+                    "removed_blocks": manifest.get("removed_blocks"), "replaced": manifest.get("replaced"),
                     "sparsity": manifest["sparsity"],
                     "compress_seconds": manifest["compress_seconds"],
                     "selection": {k: manifest["selection"].get(k) for k in ("criterion", "start", "score")}})
         if config.save_models:
             manifest["source_model"] = result["source_model"]
-            folder = compressed.save(stage / "models" / f"{method}-{budget}", save_dtype=execution.save_dtype)
+            folder = compressed.save(stage / "models" / _folder_name(spec, budget), save_dtype=execution.save_dtype)
             run["checkpoint"] = folder.relative_to(stage).as_posix()
         candidate = in_eval_dtype(compressed.model, config.eval_dtype, copy_first=False)
         with emissions(run, "eval_kg_co2eq", config.country_iso_code):
-            run.update(_measure_model(candidate, tokenizer, config, windows, task_cache))
+            run.update(_measure_model(candidate, tokenizer, config, texts, task_cache))
         if config.tasks:
             run["relative_performance"] = relative_performance(run["tasks"], original["tasks"])
         run["speed"] = _prefill_speedup(original_measured, candidate, config.speed_length)
+        run["decode_speed"] = _decode_speedup(original_measured, candidate, config.decode_tokens)
         result["runs"].append(run)
         if distributed.current().is_main:
-                print(f"sweep: {method} {budget}: ppl {run.get('perplexity', float('nan')):.2f}"
+                print(f"sweep: {spec} {budget}: ppl {run.get('perplexity', float('nan')):.2f}"
                   + (f", RP {run['relative_performance']['average']['rp']:.3f}" if config.tasks else ""), flush=True)
         del candidate, compressed
 
     lengths = _span_lengths(config.sparsities, size) if config.sparsities else config.budgets
-    if lengths and any(issubclass(SETTINGS[m], SpanSelection) for m in config.methods):
+    if lengths and any(issubclass(SETTINGS[parse_method_spec(m)[0]], SpanSelection) for m in config.methods):
         # ReplaceMe and UIDL at every budget share one calibration pass (identical results); its
         # time and CO₂eq are recorded once, apart from the runs'
         shared = {}
@@ -242,7 +288,8 @@ def _run_into(config: SweepConfig, stage: Path) -> dict:
         for budget in config.axis():
             one_run(method, budget)
     if config.placement_blocks:  # a length among the budgets reuses the shared pass
-        result["placement"] = placement_study(handle, calibration, config.placement_blocks, windows, config.eval_dtype,
+        result["placement"] = placement_study(handle, calibration, config.placement_blocks,
+                                              next(iter(texts.values()), None), config.eval_dtype,
                                               execution, cache)
     if config.analysis:
         from blockfold.analyze import analyze_into
@@ -254,6 +301,11 @@ def _run_into(config: SweepConfig, stage: Path) -> dict:
     result["seconds"] = time.perf_counter() - started
     (stage / "sweep.json").write_text(json.dumps(result, indent=1))
     return result
+
+
+def _folder_name(spec: str, budget: int | float) -> str:
+    """A run's checkpoint folder: ``uidl-8``, ``sleb-score_sequences-2-refit-all-8``, ``svd-llm-0.25``."""
+    return "-".join(filter(None, re.split(r"[:;=,\s/]+", spec))) + f"-{budget}"
 
 
 def _span_lengths(sparsities: list[float], size) -> list[int]:

@@ -3,7 +3,9 @@ beginning as a text does (BOS for Gemma and Llama, as lm-eval's rolling windows 
 
 from __future__ import annotations
 
+import json
 import math
+import re
 from pathlib import Path
 
 import torch
@@ -19,26 +21,67 @@ WIKITEXT_HINT = (
 )
 
 
-def read_eval_text(path: str | Path) -> str:
-    path = Path(path).expanduser()
+#: ``PATH[FIRST:LAST]``: a part of a perplexity text (windows of a text file, documents of a JSON-lines file)
+_PART = re.compile(r"^(?P<path>.+)\[(?P<first>\d*):(?P<last>\d*)\]$")
+
+
+class EvalText(str):
+    """A perplexity text as read, with the windows to keep (``windows``, a slice; None: all) where its
+    name asked for a part of a text file, and the name it was given (``name``), for tables."""
+
+    name: str
+    windows: slice | None
+
+
+def read_eval_text(spec: str | Path) -> EvalText:
+    """The text ``spec`` names: ``PATH``, or ``PATH[FIRST:LAST]`` for windows FIRST to LAST of a text file or
+    documents FIRST to LAST of a JSON-lines file (their ``text``), so text held out from the calibration or
+    from what chose a default can be named (``wikitext2_test.txt[40:60]``, ``c4_demo.jsonl[200:]``)."""
+    spec = str(spec)
+    part = _PART.match(spec)
+    path = Path(part["path"] if part else spec).expanduser()
     if not path.is_file():
         raise BlockfoldError(f"perplexity text {path} not found: pass --ppl PATH to a text file, e.g. the {WIKITEXT_HINT}")
-    return path.read_text(encoding="utf-8")
+    chosen = slice(int(part["first"]) if part and part["first"] else None,
+                   int(part["last"]) if part and part["last"] else None) if part else None
+    if path.suffix == ".jsonl":
+        documents = []
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines()):
+            if line.strip():
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    record = None
+                if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+                    raise BlockfoldError(f"{path}, line {number + 1}: a JSON-lines perplexity text needs a \"text\" "
+                                         "string in every record")
+                documents.append(record["text"])
+        text, windows = EvalText("\n\n".join(documents[chosen] if chosen else documents)), None
+    else:
+        text, windows = EvalText(path.read_text(encoding="utf-8")), chosen
+    text.name, text.windows = spec, windows
+    return text
 
 
 def tokenize_windows(text: str, tokenizer: PreTrainedTokenizerBase, seq_len: int, max_windows: int | None) -> torch.Tensor:
     """Windows of ``seq_len`` tokens, each the tokenizer's text start (BOS where it adds one) and the
-    next ``seq_len - len(start)`` tokens of the text. A model trained to always see BOS, Gemma above
-    all, loses its attention sink without it: Gemma-3-270m scored 72.2 on WikiText-2 windows 40-59
-    cut from one stream, 24.0 with BOS before each (blockfold cut them from one stream until 2026-12-03)."""
+    next ``seq_len - len(start)`` tokens of the text (of those ``text.windows`` keeps, for a part of a
+    text); at most ``max_windows``. A model trained to always see BOS, Gemma above all, loses its
+    attention sink without it: Gemma-3-270m scored 72.2 on WikiText-2 windows 40-59 cut from one
+    stream, 24.0 with BOS before each (blockfold cut them from one stream until 2026-12-03)."""
     start = text_start(tokenizer)
     ids = torch.tensor(tokenizer(text, add_special_tokens=False).input_ids)
     body = seq_len - len(start)
     available = len(ids) // body if body > 0 else 0
-    count = available if max_windows is None else min(max_windows, available)
-    if count == 0:
+    kept = range(available)[getattr(text, "windows", None) or slice(None)]
+    count = len(kept) if max_windows is None else min(max_windows, len(kept))
+    if available == 0:
         raise BlockfoldError(f"perplexity text has {len(ids)} tokens, fewer than one window of {seq_len}: use a longer text")
-    windows = ids[: count * body].view(count, body)
+    if count == 0:
+        raise BlockfoldError(f"perplexity text {getattr(text, 'name', '')} has {available} windows of {seq_len} tokens, "
+                             "none of them in the part asked for: name windows below that count")
+    first = kept.start
+    windows = ids[first * body : (first + count) * body].view(count, body)
     return torch.cat([torch.tensor(start, dtype=windows.dtype).expand(count, len(start)), windows], dim=1)
 
 

