@@ -294,3 +294,43 @@ def test_a_sweep_refuses_a_setting_its_method_lacks_before_any_work(tiny_and_cor
     folder, _ = tiny_and_corpus
     assert main(["sweep", "--model", str(folder), "--out", str(tmp_path / "run"), "--methods", "uidl:estimator=lstsq"]) == 2
     assert "estimator" in capsys.readouterr().err and not (tmp_path / "run").exists()
+
+
+class _Killed(BaseException):
+    """Stands for the process dying: nothing in blockfold catches it."""
+
+
+def test_a_sweep_stopped_part_way_resumes_its_finished_runs(tiny_and_corpus, tmp_path, monkeypatch, capsys):
+    """A sweep of hours outlives a lost session: each finished run (and its checkpoint) is kept in
+    .<out>.resume, and the same sweep started again compresses only what is left; another sweep is refused."""
+    import blockfold
+
+    folder, corpus = tiny_and_corpus
+    out = tmp_path / "run"
+    argv = ["sweep", "--model", str(folder), "--out", str(out), "--methods", "uidl,drop-block", "--budgets", "1,2",
+            "--calib", str(corpus), "--num-seqs", "8", "--seq-len", "32", "--ppl", str(corpus), "--ppl-windows", "2",
+            "--no-analysis", "--save-models"]
+    compress, calls = blockfold.compress, []
+
+    def dies_on_the_third(*args, **kwargs):
+        calls.append(kwargs["recipe"].method)
+        if len(calls) == 3:
+            raise _Killed
+        return compress(*args, **kwargs)
+
+    monkeypatch.setattr(blockfold, "compress", dies_on_the_third)
+    with pytest.raises(_Killed):
+        main(argv)
+    resume = tmp_path / ".run.resume"
+    assert not out.exists() and sorted(p.name for p in (resume / "runs").iterdir()) == ["uidl-1.json", "uidl-2.json"]
+    first = json.loads((resume / "runs" / "uidl-1.json").read_text())
+    assert main([*argv[:6], "uidl", *argv[7:]]) == 2  # another sweep is refused, not mixed in
+    assert "holds a sweep with another config" in capsys.readouterr().err
+    calls.clear()
+    assert main(argv) == 0
+    assert calls == ["drop-block", "drop-block"]  # only what was left
+    sweep = json.loads((out / "sweep.json").read_text())
+    assert [(run["method"], run["budget"]) for run in sweep["runs"]] == [("uidl", 1), ("uidl", 2), ("drop-block", 1),
+                                                                         ("drop-block", 2)]
+    assert sweep["runs"][0] == first and (out / "models" / "uidl-1" / "config.json").is_file()
+    assert (out / "models" / "drop-block-2" / "config.json").is_file() and not resume.exists()

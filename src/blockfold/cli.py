@@ -371,6 +371,8 @@ def _add_sweep(sub) -> None:
     p.add_argument("--placement", type=int, help="also measure every span start for this many blocks")
     p.add_argument("--no-analysis", action="store_true", help="skip the analyze pass (heatmaps, similarity)")
     p.add_argument("--save-models", action="store_true", help="keep every compressed checkpoint in RUN_DIR/models/")
+    p.add_argument("--no-resume", action="store_true",
+                   help="start afresh instead of resuming the finished runs kept in .<out>.resume")
     p.add_argument("--country", default="USA", help="ISO code for codecarbon's carbon intensity (offline tracker)")
     p.add_argument("--eval-dtype", choices=["float32", "bfloat16"], default="float32",
                    help="precision every model is measured in (compression runs in --dtype); "
@@ -795,7 +797,7 @@ def cmd_sweep(args) -> int:
                         "max_documents": args.calib_docs},
     }, origin="sweep options")
     _check_calibration_source(config.calibration.source)
-    result = run_sweep(config, Path(args.out), args.overwrite)
+    result = run_sweep(config, Path(args.out), args.overwrite, resume=not args.no_resume)
     if not distributed.current().is_main:  # rank 0 wrote the folder
         return 0
     from blockfold.report.render import render_report

@@ -15,6 +15,7 @@ import copy
 import json
 import logging
 import re
+import shutil
 import tempfile
 import time
 from contextlib import contextmanager
@@ -37,6 +38,8 @@ from blockfold.eval.speed import decode_seconds, kv_cache_bytes, parameter_count
 from blockfold.recipe import CalibrationConfig, Recipe
 from blockfold.runtime import Execution, peak_memory
 from blockfold.schema import Strict
+from blockfold.jsonfile import write_json
+from blockfold.pipelines.persist import calibration_digest
 from blockfold.surgery import staged_folder
 
 SWEEP_VERSION = 1
@@ -188,17 +191,63 @@ def _decode_speedup(original, compressed, new_tokens: int, prompt_length: int = 
             **_speedup(original, compressed, lambda model: decode_seconds(model, prompt_length, new_tokens), new_tokens)}
 
 
-def run_sweep(config: SweepConfig, out: Path, overwrite: bool = False) -> dict:
+class SweepProgress:
+    """What a sweep has finished, kept in ``.<out>.resume`` beside its output so a sweep stopped part way
+    (a session's end, a lost machine) resumes where it stopped: the original's measurements, each finished
+    run's record and saved checkpoint. Left by a sweep of another configuration, model or calibration, it
+    is refused, not resumed; only the first process writes it."""
+
+    def __init__(self, folder: Path, writes: bool):
+        self.folder, self.writes = folder, writes
+
+    def claim(self, identity: dict) -> None:
+        path = self.folder / "sweep-run.json"
+        if path.is_file():
+            try:
+                before = json.loads(path.read_text())
+            except (OSError, json.JSONDecodeError):
+                before = {}
+            changed = [name for name in identity if before.get(name) != identity[name]]
+            if changed:
+                raise BlockfoldError(f"{self.folder} holds a sweep with another {', '.join(changed)}: give --no-resume "
+                                     "to start afresh (it deletes it), or another --out")
+            finished = len(list((self.folder / "runs").glob("*.json")))
+            logger.info("sweep: resuming from %s (%d run(s) finished)", self.folder, finished)
+        elif self.writes:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            write_json(path, identity)
+
+    def get(self, name: str) -> dict | None:
+        path = self.folder / f"{name}.json"
+        return json.loads(path.read_text()) if path.is_file() else None
+
+    def put(self, name: str, record: dict) -> None:
+        if self.writes:
+            (self.folder / name).parent.mkdir(parents=True, exist_ok=True)
+            write_json(self.folder / f"{name}.json", record)
+
+    def models(self) -> Path:
+        return self.folder / "models"
+
+
+def run_sweep(config: SweepConfig, out: Path, overwrite: bool = False, resume: bool = True) -> dict:
     """Run the sweep into ``out`` (``sweep.json``, ``analysis/``, ``models/``), staged in a temporary
-    folder beside it and renamed into place only when everything is written."""
+    folder beside it and renamed into place only when everything is written. Finished runs are kept in
+    ``.<out>.resume`` meanwhile, and a sweep started again resumes from them (``resume=False``: afresh)."""
+    folder = Path(out).parent / f".{Path(out).name}.resume"
+    if not resume and distributed.current().is_main:
+        shutil.rmtree(folder, ignore_errors=True)
+    progress = SweepProgress(folder, writes=distributed.current().is_main)
     if not distributed.current().is_main:  # under torchrun: the same sweep, its passes shared, written by rank 0
         with tempfile.TemporaryDirectory() as scratch:
-            return _run_into(config, Path(scratch))
+            return _run_into(config, Path(scratch), progress)
     with staged_folder(out, overwrite) as stage:
-        return _run_into(config, stage)
+        result = _run_into(config, stage, progress)
+    shutil.rmtree(folder, ignore_errors=True)  # written: nothing left to resume
+    return result
 
 
-def _run_into(config: SweepConfig, stage: Path) -> dict:
+def _run_into(config: SweepConfig, stage: Path, progress: SweepProgress) -> dict:
     from blockfold.eval.tasks import relative_performance, task_configs
     from blockfold.methods import METHODS, PassCache
     from blockfold.models import load_model
@@ -226,12 +275,23 @@ def _run_into(config: SweepConfig, stage: Path) -> dict:
         "calibration": calibration.description, "runs": [], "skipped": [],
     }
     size = handle.adapter.model_size(handle.model)
-    original, original_measured = {}, in_eval_dtype(model, config.eval_dtype, copy_first=True)
-    with emissions(original, "eval_kg_co2eq", config.country_iso_code):
-        original.update(_measure_model(original_measured, tokenizer, config, texts, task_cache))
+    progress.claim({"config": result["config"], "model": result["source_model"]["fingerprint"],
+                    "calibration": calibration_digest(calibration.batches)})
+    original_measured = in_eval_dtype(model, config.eval_dtype, copy_first=True)
+    original = progress.get("original")
+    if original is None:
+        original = {}
+        with emissions(original, "eval_kg_co2eq", config.country_iso_code):
+            original.update(_measure_model(original_measured, tokenizer, config, texts, task_cache))
+        progress.put("original", original)
     result["original"] = original
 
     def one_run(spec: str, budget: int | float) -> None:
+        name = _folder_name(spec, budget)
+        finished = progress.get(f"runs/{name}")
+        if finished is not None:
+            result["runs"].append(finished)
+            return
         method, settings = parse_method_spec(spec)
         if config.sparsities:
             budget_field, value = "sparsity", budget
@@ -259,8 +319,8 @@ def _run_into(config: SweepConfig, stage: Path) -> dict:
                     "selection": {k: manifest["selection"].get(k) for k in ("criterion", "start", "score")}})
         if config.save_models:
             manifest["source_model"] = result["source_model"]
-            folder = compressed.save(stage / "models" / _folder_name(spec, budget), save_dtype=execution.save_dtype)
-            run["checkpoint"] = folder.relative_to(stage).as_posix()
+            compressed.save(progress.models() / name, save_dtype=execution.save_dtype, overwrite=True)
+            run["checkpoint"] = f"models/{name}"
         candidate = in_eval_dtype(compressed.model, config.eval_dtype, copy_first=False)
         with emissions(run, "eval_kg_co2eq", config.country_iso_code):
             run.update(_measure_model(candidate, tokenizer, config, texts, task_cache))
@@ -269,13 +329,18 @@ def _run_into(config: SweepConfig, stage: Path) -> dict:
         run["speed"] = _prefill_speedup(original_measured, candidate, config.speed_length)
         run["decode_speed"] = _decode_speedup(original_measured, candidate, config.decode_tokens)
         result["runs"].append(run)
+        progress.put(f"runs/{name}", run)
         if distributed.current().is_main:
                 print(f"sweep: {spec} {budget}: ppl {run.get('perplexity', float('nan')):.2f}"
                   + (f", RP {run['relative_performance']['average']['rp']:.3f}" if config.tasks else ""), flush=True)
         del candidate, compressed
 
     lengths = _span_lengths(config.sparsities, size) if config.sparsities else config.budgets
-    if lengths and any(issubclass(SETTINGS[parse_method_spec(m)[0]], SpanSelection) for m in config.methods):
+    to_run = [spec for spec in config.methods for budget in config.axis()
+              if progress.get(f"runs/{_folder_name(spec, budget)}") is None]
+    if progress.get("shared_calibration_pass") is not None:
+        result["shared_calibration_pass"] = progress.get("shared_calibration_pass")
+    if lengths and any(issubclass(SETTINGS[parse_method_spec(m)[0]], SpanSelection) for m in to_run):
         # ReplaceMe and UIDL at every budget share one calibration pass (identical results); its
         # time and CO₂eq are recorded once, apart from the runs'
         shared = {}
@@ -284,6 +349,7 @@ def _run_into(config: SweepConfig, stage: Path) -> dict:
             _shared_span_pass(handle, calibration, lengths, execution, cache)
             shared["seconds"] = time.perf_counter() - pass_started
         result["shared_calibration_pass"] = shared
+        progress.put("shared_calibration_pass", shared)
     for method in config.methods:
         for budget in config.axis():
             one_run(method, budget)
@@ -299,6 +365,8 @@ def _run_into(config: SweepConfig, stage: Path) -> dict:
                      execution=execution)
         result["analysis"] = "analysis/analysis.json"
     result["seconds"] = time.perf_counter() - started
+    if progress.models().is_dir() and progress.writes:  # the checkpoints kept while the sweep ran
+        shutil.move(progress.models(), stage / "models")
     (stage / "sweep.json").write_text(json.dumps(result, indent=1))
     return result
 
