@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -109,6 +110,10 @@ def plan_streamline(context: PlanContext) -> MethodPlan:
     settings, num_layers = context.settings, context.num_layers
     n = settings.num_blocks(num_layers)
     kept = 2 * context.tokens * context.hidden_size * context.element
+    batches = math.ceil(context.calibration.num_sequences / context.calibration.batch_size)
+    # each training step runs the new block on one calibration batch (_train_in_place): steps / batches passes
+    # of the calibration set through one of the model's blocks
     return MethodPlan(passes=2, observers=[SpanStatistics(num_layers, n + 1)],
+                      extra_forward=settings.train_steps / batches / num_layers,
                       notes=[f"span distances; the stream before and after the span kept for all calibration tokens "
                              f"({gib(kept)}), then {settings.train_steps} training steps on one block"])
