@@ -59,6 +59,7 @@ GPT_NEOX = DecoderAdapter(
     down_proj_attr="dense_4h_to_h",
     attention_output_attr="dense",
     final_norm_attr="final_layer_norm",
+    head_width_from_hidden=True,
 )
 
 MIXTRAL_LIKE = MixtureOfExpertsAdapter(

@@ -64,6 +64,9 @@ class DecoderAdapter:
     layer_count_config_fields: tuple[str, ...] = ()
     # Config lists of layer indices (e.g. Qwen-MoE's ``mlp_only_layers``), never mistaken for per-layer lists.
     layer_index_config_fields: tuple[str, ...] = ()
+    # True where the attention takes its heads' width from the hidden size (no ``head_dim`` in the config),
+    # so a narrower stream (SliceGPT) cannot be written as the family's own config
+    head_width_from_hidden: bool = False
 
     #: True for encoders of images (``VisionEncoderAdapter``): calibration is images, there is no LM head
     is_vision: bool = False

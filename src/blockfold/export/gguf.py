@@ -145,9 +145,10 @@ def _plan(model: Path, quant: str, tokenizer_pre: str | None = None) -> _Plan:
     if model_type.startswith("blockfold_"):
         what = ("stores its projections as two low-rank factors (SVD-LLM), which no llama.cpp architecture expresses"
                 if getattr(config, "blockfold_low_rank", None) else
-                "is sliced with tied embeddings (SliceGPT: blockfold's class, with a map after the final norm), which "
-                "no llama.cpp architecture expresses (a model with untied embeddings slices into a stock checkpoint "
-                "that exports)" if getattr(config, "blockfold_sliced", None) else
+                "is sliced with tied embeddings or LayerNorms (SliceGPT: blockfold's class, with a map after the "
+                "final norm or RMSNorms where LayerNorms were), which no llama.cpp architecture expresses (an RMSNorm "
+                "model with untied embeddings slices into a stock checkpoint that exports)"
+                if getattr(config, "blockfold_sliced", None) else
                 "gives its blocks different numbers of heads and MLP channels (LLM-Pruner), which blockfold's GGUF "
                 "writer does not express" if getattr(config, "blockfold_pruned", None) else
                 "replaces sublayers by linear maps (NBL), which no llama.cpp architecture expresses (a layer whose "

@@ -15,8 +15,16 @@ measured on the already sliced model (a pass per block); measured on the origina
 bases compound: each block boundary projects the stream onto another subspace (SmolLM2-135M, untied,
 8 of 576 dimensions sliced: held-out WikiText-2 107.5 with per-block bases, 37.4 with one; original 33.6).
 
+LayerNorm families (Phi-2, Cohere with untied embeddings) are converted: a LayerNorm subtracts the stream's mean, i.e. reads
+only its part orthogonal to the all-ones direction, so the basis is taken in that part (at most ``d - 1``
+directions) and the rotated stream holds exactly what the LayerNorm would have kept; its norms become
+RMSNorms (``StreamRMSNorm``) and their biases move into the readers' biases (``W b`` added), the LM
+head's included (it gains one where it had none).
+
 Families it cannot rotate are refused: sandwich norms (a gain after the sublayer does not commute with
-``Q``), LayerNorm (mean subtraction: not converted yet), mixtures of experts (stacked expert weights).
+``Q``), mixtures of experts (stacked expert weights), LayerNorm with tied embeddings (the head reads the
+embeddings' mean, which the rotated stream drops: Cohere), and attention that takes its heads' width from
+the hidden size (GPT-NeoX).
 """
 
 from __future__ import annotations
@@ -43,22 +51,59 @@ def sliced_width(hidden_size: int, slicing: float) -> int:
     return max(8, round(kept / 8) * 8) if hidden_size % 8 == 0 else max(1, round(kept))
 
 
+def _stream_norms(adapter, model) -> dict[str, torch.nn.Module]:
+    """The norms that read the residual stream, by dotted name in ``model`` (a shared one once)."""
+    decoder_prefix = next(name for name, module in model.named_modules() if module is adapter.layers(model))
+    names = {}
+    for index, layer in enumerate(adapter.layers(model)):
+        for norm in (adapter.input_norm(layer), adapter.pre_mlp_norm(layer)):
+            name = next(name for name, module in layer.named_children() if module is norm)
+            names.setdefault(f"{decoder_prefix}.{index}.{name}", norm)
+    final = getattr(adapter.decoder(model), adapter.final_norm_attr)
+    names[next(name for name, module in model.named_modules() if module is final)] = final
+    return names
+
+
+def subtracts_mean(norm: torch.nn.Module) -> bool:
+    """A LayerNorm (mean subtraction), as opposed to an RMSNorm."""
+    return "LayerNorm" in type(norm).__name__ and "RMS" not in type(norm).__name__
+
+
 def check_rotatable(adapter, model) -> None:
     """Refuse, in one line naming the reason, the families whose stream cannot be rotated exactly."""
     layers = adapter.layers(model)
     reason = None
+    norms = _stream_norms(adapter, model) if not adapter.is_vision else {}
+    layer_norms = any(subtracts_mean(norm) for norm in norms.values())
+    head, embeddings = model.get_output_embeddings(), model.get_input_embeddings()
     if adapter.post_attention_norm or adapter.post_mlp_norm:
         reason = "its blocks norm each sublayer's output (sandwich norms), whose gain does not commute with a rotation"
     elif any(adapter.is_sparse(layer) for layer in layers):
         reason = "its mixture-of-experts blocks keep their experts stacked in one parameter"
-    elif any(getattr(norm, "bias", None) is not None or "LayerNorm" in type(norm).__name__
-             for layer in layers for norm in (adapter.input_norm(layer), adapter.pre_mlp_norm(layer))):
-        reason = "its norms are LayerNorms (mean subtraction), which blockfold does not convert to RMSNorms yet"
     elif adapter.is_vision:
         reason = "it is an image encoder"
+    elif adapter.head_width_from_hidden:
+        reason = "its attention takes the heads' width from the hidden size, which slicing narrows"
+    elif layer_norms and head is not None and head.weight is embeddings.weight:
+        reason = ("its LayerNorm head shares the embeddings' weights, and reads their mean, which a rotation into "
+                  "the LayerNorm's directions drops")
+    elif any(getattr(norm, "bias", None) is not None and not subtracts_mean(norm) for norm in norms.values()):
+        reason = "its RMSNorms have biases"
+    elif any(reader.bias is None for layer in layers
+             for norm, sublayer in ((adapter.input_norm(layer), "attention"), (adapter.pre_mlp_norm(layer), "mlp"))
+             if getattr(norm, "bias", None) is not None for reader in adapter.input_projections(layer, sublayer)):
+        reason = "its projections have no bias to take their LayerNorm's"
     if reason is not None:
         raise BlockfoldError(f"slicegpt cannot rotate this {model.config.model_type} model: {reason}; compress it "
                              "with a method that removes blocks or factors projections (blockfold methods)")
+
+
+def centered_basis(d: int) -> torch.Tensor:
+    """An orthonormal basis (``d × (d - 1)``, float64) of the directions orthogonal to the all-ones one: the
+    part of the stream a LayerNorm reads."""
+    ones = torch.full((d, 1), d ** -0.5, dtype=torch.float64)
+    q, _ = torch.linalg.qr(torch.cat([ones, torch.eye(d, dtype=torch.float64)[:, : d - 1]], dim=1))
+    return q[:, 1:]
 
 
 def principal_directions(gram: torch.Tensor) -> torch.Tensor:
@@ -74,53 +119,78 @@ def compress_slicegpt(job: Job) -> dict:
     settings, adapter, handle, model = job.settings, job.adapter, job.handle, job.model
     check_rotatable(adapter, model)
     layers, d = adapter.layers(model), job.hidden_size
+    norms = _stream_norms(adapter, model)
+    layer_norms = any(subtracts_mean(norm) for norm in norms.values())
     k = sliced_width(d, settings.slicing)
+    if layer_norms:  # the all-ones direction, which a LayerNorm subtracts, is never kept
+        k = min(k, d - 1)
     observer = StreamCovariance(job.num_layers)
     job.run([observer], description="residual stream moments")
     gram = observer.covariance().double().cpu()
-    basis = principal_directions(gram)[:, :k]
-    kept_energy = float((basis * (gram @ basis)).sum() / gram.trace())
-    scale = math.sqrt(d / k)  # an RMSNorm over k dimensions, rescaled to what it was over d
+    within = centered_basis(d) if layer_norms else torch.eye(d, dtype=torch.float64)
+    gram = within.T @ gram @ within  # the moments of what the norms read
+    principal = principal_directions(gram)[:, :k]
+    basis = within @ principal
+    kept_energy = float((principal * (gram @ principal)).sum() / gram.trace())
+    scale = math.sqrt(d / k)  # a norm over k dimensions, rescaled to what it was over d
     offset = adapter.norm_weight_offset
-
-    def norm_to_scale(norm) -> None:
-        handle.transform(norm, "weight", lambda weight: torch.full((k,), scale - offset, dtype=weight.dtype,
-                                                                   device=weight.device))
-
-    def read_through(norm, readers, basis) -> None:
-        """Fold ``norm``'s gain and the basis into each reader: ``W ← W diag(g) Q``; the gain becomes the scale."""
-        gain = handle.saved_value(norm, "weight").double().cpu() + offset
-        fold = gain[:, None] * basis
-        for reader in readers:
-            handle.transform(reader, "weight", lambda weight, fold=fold: weight @ fold.to(weight.device))
-        norm_to_scale(norm)
 
     embeddings, head = model.get_input_embeddings(), model.get_output_embeddings()
     tied = head is not None and head.weight is embeddings.weight
+    readers: dict[str, list] = {name: [] for name in norms}
+    by_norm = {id(norm): name for name, norm in norms.items()}
+    for layer in layers:
+        readers[by_norm[id(adapter.input_norm(layer))]] += adapter.input_projections(layer, "attention")
+        readers[by_norm[id(adapter.pre_mlp_norm(layer))]] += adapter.input_projections(layer, "mlp")
+    final_name = next(reversed(norms))
+    if not tied:
+        readers[final_name].append(head)
+
+    rms_norms, head_bias = {}, None
+    for name, norm in norms.items():
+        gain = handle.saved_value(norm, "weight").double().cpu() + offset
+        bias = handle.saved_value(norm, "bias").double().cpu() if getattr(norm, "bias", None) is not None else None
+        fold = gain[:, None] * basis
+        for reader in readers[name]:  # W (g x + b) + c becomes (W diag(g) Q) x' + (W b + c)
+            if bias is not None:
+                shift = handle.saved_value(reader, "weight").double().cpu() @ bias
+                if reader.bias is None:  # the LM head (check_rotatable refused any other reader without one)
+                    head_bias = shift
+                else:
+                    handle.transform(reader, "bias", lambda value, shift=shift: value + shift.to(value.device))
+            handle.transform(reader, "weight", lambda weight, fold=fold: weight @ fold.to(weight.device))
+        if subtracts_mean(norm):  # becomes an RMSNorm of the rotated stream, at the scale
+            rms_norms[name] = scale
+        elif not (tied and name == final_name):
+            handle.transform(norm, "weight", lambda weight: torch.full((k,), scale - offset, dtype=weight.dtype,
+                                                                       device=weight.device))
+
     handle.transform(embeddings, "weight", lambda weight: weight @ basis.to(weight.device))
     embeddings.embedding_dim = k
     for layer in layers:
-        read_through(adapter.input_norm(layer), adapter.input_projections(layer, "attention"), basis)
-        read_through(adapter.pre_mlp_norm(layer), adapter.input_projections(layer, "mlp"), basis)
         for writer in [adapter.attention_output_projection(layer), *adapter.mlp_output_projections(layer)]:
             fold_into_projection(handle, writer, basis)
-    final_norm = getattr(adapter.decoder(model), adapter.final_norm_attr)
-    final_gain = handle.saved_value(final_norm, "weight").double().cpu() + offset
     head_map = None
     if tied:  # the head is the rotated embeddings: the final norm's gain becomes a map after it
+        final_norm = norms[final_name]
+        final_gain = handle.saved_value(final_norm, "weight").double().cpu() + offset
         head_map = basis.T @ (final_gain[:, None] * basis)
-        norm_to_scale(final_norm)
-    else:
-        read_through(final_norm, [head], basis)
+        handle.transform(final_norm, "weight", lambda weight: torch.full((k,), scale - offset, dtype=weight.dtype,
+                                                                         device=weight.device))
     for module in model.modules():  # what the weights' new shapes say
         if isinstance(module, torch.nn.Linear):
             module.out_features, module.in_features = module.weight.shape
-    attach_sliced(handle, k, head_map)
+    # a LayerNorm's variance over d dimensions is the sliced stream's over k times k / d: its epsilon scales
+    # with d / k, which makes the conversion exact (an RMSNorm family keeps its epsilon, off by eps (1 - k/d))
+    eps = next((float(getattr(norm, "eps", getattr(norm, "variance_epsilon", 1e-5))) for norm in norms.values()
+                if subtracts_mean(norm)), None)
+    attach_sliced(handle, k, head_map, rms_norms, eps * d / k if eps is not None else None, head_bias)
     if tied:
         model.tie_weights()
     return {
         "removed_blocks": [],
-        "sliced": {"hidden_size": [d, k], "slicing": 1 - k / d, "tied_head_map": head_map is not None},
+        "sliced": {"hidden_size": [d, k], "slicing": 1 - k / d, "tied_head_map": head_map is not None,
+                   "layer_norms_converted": len(rms_norms)},
         "selection": {"criterion": "principal directions", "score": 1 - kept_energy, "kept_energy": kept_energy},
     }
 

@@ -132,24 +132,34 @@ def prune_projections(handle: ModelHandle, kept: dict[tuple[int, str], tuple[tor
 
 
 @torch.no_grad()
-def attach_sliced(handle: ModelHandle, width: int, head_map: torch.Tensor | None) -> None:
+def attach_sliced(handle: ModelHandle, width: int, head_map: torch.Tensor | None,
+                  rms_norms: dict[str, float] | None = None, norm_eps: float | None = None,
+                  head_bias: torch.Tensor | None = None) -> None:
     """Give ``handle``'s model, whose weights were rotated and sliced to ``width``, the config that says so:
-    its hidden size becomes ``width`` (the heads keep theirs). Without a ``head_map`` that is a stock model
-    of a narrower stream (a standard checkpoint every engine loads); with one (``width × width``, the stream
-    times it after the final norm, for tied embeddings) the model becomes its blockfold class, which owns
-    the map, and the config records it (``blockfold_sliced``)."""
+    its hidden size becomes ``width`` (the heads keep theirs). Without more that is a stock model of a
+    narrower stream (a standard checkpoint every engine loads). A ``head_map`` (``width × width``, the stream
+    times it after the final norm, for tied embeddings), LayerNorms of the stream that lost their mean
+    subtraction (``rms_norms``: dotted name → the gain they become, with epsilon ``norm_eps``) or a bias the LM head did not have
+    (``head_bias``) make it its blockfold class, which owns them, and the config records them
+    (``blockfold_sliced``)."""
     model = handle.model
     config = model.config
     if getattr(config, "head_dim", None) is None:
         config.head_dim = config.hidden_size // config.num_attention_heads
     config.hidden_size = width
-    if head_map is None:
+    if head_map is None and not rms_norms and head_bias is None:
         return
     config_class, model_class = _blockfold_classes(model)
-    setattr(config, SLICED_FIELD, {"head_map": True})
-    device = None if handle.resident else "meta"  # asked before the new module changes the answer
-    for module in shipped.attach_slicing(model, config, device=device):
+    setattr(config, SLICED_FIELD, {"head_map": head_map is not None, "rms_norms": list(rms_norms or {}),
+                                   "norm_eps": norm_eps, "head_bias": head_bias is not None})
+    device = None if handle.resident else "meta"  # asked before the new modules change the answer
+    added = shipped.attach_slicing(model, config, device=device)
+    for module in added["head_map"]:
         handle.own(module, "weight", head_map.T)  # nn.Linear computes x Wᵀ
+    for module, gain in zip(added["norms"], (rms_norms or {}).values()):
+        handle.own(module, "weight", torch.full((width,), gain))
+    for head in added["head_bias"]:
+        handle.own(head, "bias", head_bias)
     _become(model, config_class, model_class)
 
 

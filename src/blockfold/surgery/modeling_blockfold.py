@@ -35,10 +35,13 @@ ratio of query to key-value heads, so only the number of heads changes).
 A last one, ``blockfold_sliced`` (SliceGPT), describes a model whose residual stream was rotated and
 sliced to ``hidden_size`` dimensions:
 
-    {"head_map": bool}
+    {"head_map": bool, "rms_norms": [dotted names], "norm_eps": float, "head_bias": bool}
 
 With ``head_map`` (tied embeddings), the final norm's output passes a square linear map without bias
-(``norm.blockfold_head_map``) before the LM head, which the embeddings' tied weights then fit.
+(``norm.blockfold_head_map``) before the LM head, which the embeddings' tied weights then fit. The
+norms named in ``rms_norms`` (a LayerNorm family's norms of the stream) become ``StreamRMSNorm`` with
+epsilon ``norm_eps``: the rotated stream has no mean left to subtract. ``head_bias`` gives the LM head a bias (a LayerNorm's
+bias before a head that had none).
 """
 
 from __future__ import annotations
@@ -228,15 +231,41 @@ def _apply_head_map(norm: nn.Module, args: tuple, output: torch.Tensor) -> torch
     return norm.blockfold_head_map(output)
 
 
-def attach_slicing(model: nn.Module, config, device=None) -> list[nn.Linear]:
-    """Give a model built from a ``blockfold_sliced`` config its head map, if it has one; returns it in a list."""
-    entry = getattr(config, SLICED_FIELD, None)
-    if not entry or not entry.get("head_map"):
-        return []
-    width, norm = config.hidden_size, model.base_model.norm
-    norm.blockfold_head_map = nn.Linear(width, width, bias=False, device=device, dtype=norm.weight.dtype)
-    norm.register_forward_hook(_apply_head_map)
-    return [norm.blockfold_head_map]
+class StreamRMSNorm(nn.Module):
+    """A LayerNorm of the residual stream once the stream is rotated into directions orthogonal to the
+    all-ones one (SliceGPT on a LayerNorm family): its mean is zero, so only the scaling is left."""
+
+    def __init__(self, width: int, eps: float, device=None, dtype=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width, device=device, dtype=dtype))
+        self.eps = eps
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        normed = hidden_states.float() * torch.rsqrt(hidden_states.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.to(hidden_states.dtype) * self.weight
+
+
+def attach_slicing(model: nn.Module, config, device=None) -> dict[str, list[nn.Module]]:
+    """Give a model built from a ``blockfold_sliced`` config its head map, its stream norms without mean
+    subtraction and its head's bias, where the config lists them; returns the new modules by kind."""
+    entry = getattr(config, SLICED_FIELD, None) or {}
+    added = {"head_map": [], "norms": [], "head_bias": []}
+    width = config.hidden_size
+    for name in entry.get("rms_norms", ()):
+        parent, _, attr = name.rpartition(".")
+        norm = StreamRMSNorm(width, entry["norm_eps"], device=device, dtype=model.get_submodule(name).weight.dtype)
+        setattr(model.get_submodule(parent) if parent else model, attr, norm)
+        added["norms"].append(norm)
+    if entry.get("head_bias"):
+        head = model.get_output_embeddings()
+        head.bias = nn.Parameter(torch.zeros(head.out_features, device=device, dtype=head.weight.dtype))
+        added["head_bias"].append(head)
+    if entry.get("head_map"):
+        norm = model.base_model.norm
+        norm.blockfold_head_map = nn.Linear(width, width, bias=False, device=device, dtype=norm.weight.dtype)
+        norm.register_forward_hook(_apply_head_map)
+        added["head_map"].append(norm.blockfold_head_map)
+    return added
 
 
 class _Linearized:
