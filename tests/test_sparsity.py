@@ -88,10 +88,15 @@ def test_the_run_reaches_the_sparsity_within_half_a_unit_and_saves_the_count(met
         assert Recipe.parse(replay).settings == resolved
 
 
-def test_the_dry_run_says_what_the_sparsity_resolved_to(tmp_path, capsys):
+def test_the_dry_run_says_what_the_sparsity_resolved_to_and_the_summary_what_it_reached(tmp_path, capsys):
     folder = tmp_path / "tiny"
     tiny_model("llama").save_pretrained(folder)
     tiny_tokenizer().save_pretrained(folder)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(" ".join(f"w{(i * 7 + i // 5) % 90}" for i in range(3000)))
+    assert main(["compress", "--model", str(folder), "--sparsity", "0.3", "--calib", str(corpus), "--num-seqs", "8",
+                 "--seq-len", "32", "--out", str(tmp_path / "out"), "-q"]) == 0
+    assert "sparsity 33.3% of the blocks', 30.0% of the model's; asked 30.0%" in capsys.readouterr().out
     assert main(["compress", "--model", str(folder), "--method", "drop-attn", "--sparsity", "0.1", "--dry-run"]) == 0
     assert "sparsity 0.1: 2 attention layers" in capsys.readouterr().out
     assert main(["compress", "--model", str(folder), "--sparsity", "0.95", "--dry-run"]) == 2

@@ -581,7 +581,9 @@ def cmd_compress(args) -> int:
         ("parameters", f"{manifest['original_parameters'] / 1e6:.1f}M -> {manifest['parameters'] / 1e6:.1f}M "
                        f"({manifest['parameters'] / manifest['original_parameters']:.3f}x; sparsity "
                        f"{manifest['sparsity']['blocks']:.1%} of the blocks', {manifest['sparsity']['model']:.1%} "
-                       "of the model's)"),
+                       "of the model's"
+                       + (f"; asked {manifest['sparsity']['requested']:.1%}" if "requested" in manifest["sparsity"]
+                          else "") + ")"),
         *([(f"selection ({selection['criterion']})", f"{selection['score']:.4f}")] if "score" in selection else []),
         *([("best candidates", _candidates(selection))] if selection.get("candidates") else []),
         ("calibration", f"{manifest['calibration']['source']}: {manifest['calibration']['sequences']} seqs, "
