@@ -27,8 +27,8 @@ METHODS = ("replaceme,uidl:refit=all,drop-block:refit=all,prune-comp:refit=all,s
 TASKS = "piqa,arc_easy,hellaswag,lambada_openai"
 
 
-def command(model: str, out: str, limit: int, methods: str) -> list[str]:
-    return ["sweep", "--model", model, "--methods", methods, "--sparsity", SPARSITIES[model],
+def command(model: str, out: str, limit: int, methods: str, eval_dtype: str) -> list[str]:
+    return ["sweep", "--model", model, "--methods", methods, "--sparsity", SPARSITIES[model], "--eval-dtype", eval_dtype,
             "--calib", str(DATA_DIR / "c4_demo.jsonl"), "--calib-docs", "128", "--num-seqs", "64", "--seq-len", "512",
             "--ppl", f"{DATA_DIR / 'wikitext2_test.txt'}[40:60]",
             "--held-out", f"{DATA_DIR / 'c4_demo.jsonl'}[200:],{DATA_DIR / 'lambada_test.jsonl'}",
@@ -41,9 +41,11 @@ def run() -> int:
     parser.add_argument("--out", help="the sweep's folder (default: bench/runs/width-MODEL)")
     parser.add_argument("--limit", type=int, default=200, help="questions per task")
     parser.add_argument("--methods", default=METHODS, help="the sweep's rows (default: every method at its best)")
+    parser.add_argument("--eval-dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="what every model is measured in (bfloat16: about twice as fast on CPUs with AVX512-BF16)")
     parser.add_argument("--print", action="store_true", help="print the blockfold command instead of running it")
     args = parser.parse_args()
-    argv = command(args.model, args.out or f"bench/runs/width-{args.model}", args.limit, args.methods)
+    argv = command(args.model, args.out or f"bench/runs/width-{args.model}", args.limit, args.methods, args.eval_dtype)
     if args.print:
         print(".venv/bin/blockfold " + " ".join(shlex.quote(part) for part in argv))
         return 0
