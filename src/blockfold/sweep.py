@@ -35,11 +35,11 @@ from blockfold.data import build_calibration
 from blockfold.errors import BlockfoldError
 from blockfold.eval import perplexity, read_eval_text, tokenize_windows
 from blockfold.eval.speed import decode_seconds, kv_cache_bytes, parameter_counts, prefill_seconds
+from blockfold.jsonfile import write_json
+from blockfold.pipelines.persist import calibration_digest
 from blockfold.recipe import CalibrationConfig, Recipe
 from blockfold.runtime import Execution, peak_memory
 from blockfold.schema import Strict
-from blockfold.jsonfile import write_json
-from blockfold.pipelines.persist import calibration_digest
 from blockfold.surgery import staged_folder
 
 SWEEP_VERSION = 1
