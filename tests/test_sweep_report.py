@@ -236,7 +236,7 @@ def test_a_sweep_compares_width_methods_at_the_share_of_the_blocks_its_budget_re
     assert "2 blocks' share (sparsity 33%)" in table and "2 blocks' share (slicing 33%)" in table
 
 
-def test_a_sweep_along_sparsity_puts_every_method_at_the_same_share(tiny_and_corpus, tmp_path):
+def test_a_sweep_along_sparsity_puts_every_method_at_the_same_share(tiny_and_corpus, tmp_path, capsys):
     """Issue #44: ``--sparsity`` is one axis for depth and width methods; a method that cannot reach a share
     on this model (NBL's attention is too small a part of the blocks) is skipped with the reason, not fatal."""
     folder, corpus = tiny_and_corpus
@@ -255,6 +255,7 @@ def test_a_sweep_along_sparsity_puts_every_method_at_the_same_share(tiny_and_cor
     assert skipped["method"] == "nbl" and "cannot be reached by removing attention layers" in skipped["reason"]
     table = (out / "report.md").read_text()
     assert "sparsity 30%" in table and "Runs skipped" in table and "33.3% /" in table
+    assert "nbl 0.3" in capsys.readouterr().out  # the summary names the skipped run
 
 
 def test_a_sweep_takes_blocks_or_sparsities_not_both(tiny_and_corpus, tmp_path, capsys):

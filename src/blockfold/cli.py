@@ -822,6 +822,7 @@ def cmd_sweep(args) -> int:
         if run.get("checkpoint"):
             checkpoint = f"{args.out}/{run['checkpoint']}"
             rows.append(("  saved", f"{checkpoint} (loads with AutoModelForCausalLM.from_pretrained)"))
+    rows += [(f"{run['method']} {run['budget']}", f"skipped: {run['reason']}") for run in result.get("skipped", [])]
     rows.append(("time", f"{result['seconds'] / 60:.1f} min"))
     rows.append(("report", f"{report['html']} (and {report['markdown'].name}; figures and every number in "
                            f"{args.out}/sweep.json)"))
