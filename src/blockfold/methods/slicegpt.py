@@ -51,6 +51,13 @@ def sliced_width(hidden_size: int, slicing: float) -> int:
     return max(8, round(kept / 8) * 8) if hidden_size % 8 == 0 else max(1, round(kept))
 
 
+def kept_width(d: int, slicing: float, layer_norms: bool) -> int:
+    """The stream's width after slicing: ``sliced_width``, and never the all-ones direction a LayerNorm
+    subtracts (at most ``d - 1``)."""
+    k = sliced_width(d, slicing)
+    return min(k, d - 1) if layer_norms else k
+
+
 def _stream_norms(adapter, model) -> dict[str, torch.nn.Module]:
     """The norms that read the residual stream, by dotted name in ``model`` (a shared one once)."""
     decoder_prefix = next(name for name, module in model.named_modules() if module is adapter.layers(model))
@@ -121,9 +128,7 @@ def compress_slicegpt(job: Job) -> dict:
     layers, d = adapter.layers(model), job.hidden_size
     norms = _stream_norms(adapter, model)
     layer_norms = any(subtracts_mean(norm) for norm in norms.values())
-    k = sliced_width(d, settings.slicing)
-    if layer_norms:  # the all-ones direction, which a LayerNorm subtracts, is never kept
-        k = min(k, d - 1)
+    k = kept_width(d, settings.slicing, layer_norms)
     observer = StreamCovariance(job.num_layers)
     job.run([observer], description="residual stream moments")
     gram = observer.covariance().double().cpu()
@@ -201,11 +206,12 @@ def plan_slicegpt(context: PlanContext) -> MethodPlan:
 
     check_rotatable(context.adapter, context.model)
     d = context.hidden_size
+    layer_norms = any(subtracts_mean(norm) for norm in _stream_norms(context.adapter, context.model).values())
     plan = MethodPlan(passes=1, sums=StreamCovariance.sums_bytes_for(d))
     plan.observers.append(StreamCovariance(context.num_layers))
     plan.stats_flops_per_token = context.num_layers * 4 * d * d
     plan.notes.append(f"the residual stream's d x d second moment, pooled over the blocks ({gib(plan.sums)}), "
-                      f"sliced to {sliced_width(d, context.settings.slicing)} of {d} dimensions")
+                      f"sliced to {kept_width(d, context.settings.slicing, layer_norms)} of {d} dimensions")
     return plan
 
 
