@@ -675,8 +675,8 @@ def render_refit_stage(parts: list[dict]) -> str:
             continue
         results = measured[0]
         texts = [text for text in results["original"]["perplexity"] if "held out" in text]
-        rows = {row["method"]: row for part in measured for row in part["rows"]}
-        scored = {row["method"]: row for part in same if part not in measured for row in part["rows"]}
+        rows = {row["method"]: row for part in measured for row in part["rows"] if "perplexity" in row}
+        scored = {row["method"]: row for part in same for row in part["rows"] if "relative_performance" in row}
         pairs = [(name, plain, rows[twin]) for name, plain in rows.items() if "refit=" not in name
                  and (twin := f"{name};refit=all" if ":" in name else f"{name}:refit=all") in rows]
         if not pairs:  # a baseline run whose refit rows are not measured yet

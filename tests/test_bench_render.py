@@ -244,8 +244,9 @@ def test_refit_stage_pairs_each_setting_with_its_refit_twin_across_runs(render):
         return {"provenance": PROVENANCE, "model": model, "blocks": blocks, "rows": rows,
                 "original": {"perplexity": {"WikiText-2 (chosen on)": 10.0, held_out: 20.0}}}
 
+    both = {"relative_performance": {"average": {"rp": 0.9, "stderr": 0.01}}}  # a run measuring both
     text = render.render_refit_stage([
-        results("gemma3-270m", 4, [row("uidl", 90.0, [5]), row("uidl:refit=all", 45.0, [5])]),
+        results("gemma3-270m", 4, [row("uidl", 90.0, [5]) | both, row("uidl:refit=all", 45.0, [5]) | both]),
         results("smollm2-135m", 8, [row("sleb", 60.0, [3]), row("sleb:score_sequences=2", 80.0, [4]),
                                     row("laco", 70.0, [6])]),
         results("smollm2-135m", 8, [row("sleb:score_sequences=2;refit=all", 40.0, [4]),
@@ -255,7 +256,7 @@ def test_refit_stage_pairs_each_setting_with_its_refit_twin_across_runs(render):
     assert text.index("### smollm2-135m, 8 blocks") < text.index("### gemma3-270m, 4 blocks")
     assert "| sleb | 3 | 60.00 → **120.00** (0.5x) | 0.600 ± 0.020 → **0.500** ± 0.020 | 1.00 → 1.00 |" in text
     assert "| sleb:score_sequences=2 | 4 | 80.00 → **40.00** (2.0x) | - | 1.00 → 1.00 |" in text
-    assert "| uidl | 5 | 90.00 → **45.00** (2.0x)" in text
+    assert "| uidl | 5 | 90.00 → **45.00** (2.0x) | 0.900 ± 0.010 → **0.900** ± 0.010 |" in text
     assert "laco" not in text and "WikiText-2 (chosen on)" not in text  # no twin; held-out texts only
     with pytest.raises(AssertionError):  # accuracy measured on other blocks than the perplexity is refused
         render.render_refit_stage([results("smollm2-135m", 8, [row("uidl", 90.0, [5]), row("uidl:refit=all", 45.0, [5])]),
