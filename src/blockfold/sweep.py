@@ -36,7 +36,7 @@ from blockfold.errors import BlockfoldError
 from blockfold.eval import perplexity, read_eval_text, tokenize_windows
 from blockfold.eval.speed import decode_seconds, kv_cache_bytes, parameter_counts, prefill_seconds
 from blockfold.jsonfile import write_json
-from blockfold.pipelines.persist import calibration_digest
+from blockfold.pipelines.persist import calibration_digest, changed_since
 from blockfold.recipe import CalibrationConfig, Recipe
 from blockfold.runtime import Execution, peak_memory
 from blockfold.schema import Strict
@@ -202,15 +202,11 @@ class SweepProgress:
 
     def claim(self, identity: dict) -> None:
         path = self.folder / "sweep-run.json"
-        if path.is_file():
-            try:
-                before = json.loads(path.read_text())
-            except (OSError, json.JSONDecodeError):
-                before = {}
-            changed = [name for name in identity if before.get(name) != identity[name]]
-            if changed:
-                raise BlockfoldError(f"{self.folder} holds a sweep with another {', '.join(changed)}: give --no-resume "
-                                     "to start afresh (it deletes it), or another --out")
+        changed = changed_since(path, identity)
+        if changed:
+            raise BlockfoldError(f"{self.folder} holds a sweep with another {', '.join(changed)}: give --no-resume "
+                                 "to start afresh (it deletes it), or another --out")
+        if changed is not None:
             finished = len(list((self.folder / "runs").glob("*.json")))
             logger.info("sweep: resuming from %s (%d run(s) finished)", self.folder, finished)
         elif self.writes:

@@ -57,6 +57,19 @@ def load_observers(path: Path, meta: dict, observers: list, device: torch.device
         load_observer_state(observer, state)
 
 
+def changed_since(path: Path, identity: dict) -> list[str] | None:
+    """The fields of ``identity`` (what a run is: its recipe, weights, calibration, ...) that differ from
+    those recorded at ``path`` by the run that left it (an unreadable record differs in all); None where
+    no run left one."""
+    if not path.is_file():
+        return None
+    try:
+        before = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        before = {}
+    return [name for name in identity if before.get(name) != identity[name]]
+
+
 class Checkpoints:
     """One run's passes as they advance, in ``folder`` (one state per pass and rank), so the same
     command started again after a crash resumes each pass from its last checkpoint."""
@@ -68,17 +81,12 @@ class Checkpoints:
         """Record what this run is (``run``: its recipe, weights, calibration, processes); checkpoints
         left by a run that differs in any of them are refused, not resumed."""
         path = self.folder / f"run-rank{self.rank}.json"
-        if path.is_file():
-            try:
-                before = json.loads(path.read_text())
-            except (OSError, json.JSONDecodeError):
-                before = {}
-            changed = [name for name in run if before.get(name) != run[name]]
-            if changed:
-                raise BlockfoldError(f"{self.folder} holds checkpoints of a run with another {', '.join(changed)}: "
-                                     "give --no-resume to start afresh (it deletes them), or another --out")
-            return
-        write_json(path, run, indent=None)
+        changed = changed_since(path, run)
+        if changed:
+            raise BlockfoldError(f"{self.folder} holds checkpoints of a run with another {', '.join(changed)}: "
+                                 "give --no-resume to start afresh (it deletes them), or another --out")
+        if changed is None:
+            write_json(path, run, indent=None)
 
     def _path(self, number: int) -> Path:
         return self.folder / f"pass-{number}-rank{self.rank}"
@@ -157,4 +165,4 @@ class StatsCache:
         save_observers(self.folder / key, observers, {"key": key, "fingerprint": fingerprint, "pass": description})
 
 
-__all__ = ["Checkpoints", "StatsCache", "calibration_digest", "pass_key"]
+__all__ = ["Checkpoints", "StatsCache", "calibration_digest", "changed_since", "pass_key"]
