@@ -140,6 +140,10 @@ def compress_slicegpt(job: Job) -> dict:
     scale = math.sqrt(d / k)  # a norm over k dimensions, rescaled to what it was over d
     offset = adapter.norm_weight_offset
 
+    def norm_to_scale(norm) -> None:
+        handle.transform(norm, "weight", lambda weight: torch.full((k,), scale - offset, dtype=weight.dtype,
+                                                                   device=weight.device))
+
     embeddings, head = model.get_input_embeddings(), model.get_output_embeddings()
     tied = head is not None and head.weight is embeddings.weight
     readers: dict[str, list] = {name: [] for name in norms}
@@ -167,8 +171,7 @@ def compress_slicegpt(job: Job) -> dict:
         if subtracts_mean(norm):  # becomes an RMSNorm of the rotated stream, at the scale
             rms_norms[name] = scale
         elif not (tied and name == final_name):
-            handle.transform(norm, "weight", lambda weight: torch.full((k,), scale - offset, dtype=weight.dtype,
-                                                                       device=weight.device))
+            norm_to_scale(norm)
 
     handle.transform(embeddings, "weight", lambda weight: weight @ basis.to(weight.device))
     embeddings.embedding_dim = k
@@ -180,15 +183,13 @@ def compress_slicegpt(job: Job) -> dict:
         final_norm = norms[final_name]
         final_gain = handle.saved_value(final_norm, "weight").double().cpu() + offset
         head_map = basis.T @ (final_gain[:, None] * basis)
-        handle.transform(final_norm, "weight", lambda weight: torch.full((k,), scale - offset, dtype=weight.dtype,
-                                                                         device=weight.device))
+        norm_to_scale(final_norm)
     for module in model.modules():  # what the weights' new shapes say
         if isinstance(module, torch.nn.Linear):
             module.out_features, module.in_features = module.weight.shape
     # a LayerNorm's variance over d dimensions is the sliced stream's over k times k / d: its epsilon scales
     # with d / k, which makes the conversion exact (an RMSNorm family keeps its epsilon, off by eps (1 - k/d))
-    eps = next((float(getattr(norm, "eps", getattr(norm, "variance_epsilon", 1e-5))) for norm in norms.values()
-                if subtracts_mean(norm)), None)
+    eps = next((adapter.norm_eps(norm) for norm in norms.values() if subtracts_mean(norm)), None)
     attach_sliced(handle, k, head_map, rms_norms, eps * d / k if eps is not None else None, head_bias)
     if tied:
         model.tie_weights()
