@@ -39,20 +39,28 @@ class ModelSize:
     hidden_size: int
 
 
-def count_for_sparsity(sparsity: float, unit_parameters: float, size: ModelSize, added, low: int, high: int,
-                       unit: str) -> int:
-    """How many units (blocks or attention sublayers) of ``unit_parameters`` each to remove so that the
-    share of the blocks' parameters removed, less what the method ``added`` for that many, is nearest
-    ``sparsity``; refused in one line where no count between ``low`` and ``high`` comes within half a unit."""
-    total = sum(size.block_parameters)
-    shares = {n: (n * unit_parameters - added(n)) / total for n in range(low, high + 1)}
-    count = min(shares, key=lambda n: abs(shares[n] - sparsity))
-    if abs(shares[count] - sparsity) > unit_parameters / total / 2:
-        units = len(size.block_parameters) if unit == "blocks" else len(size.attention_parameters)
-        raise BlockfoldError(f"--sparsity {sparsity:g} cannot be reached by removing {unit} of this model: use a "
-                             f"sparsity from {shares[low]:.3f} ({low} of its {units} {unit}) to {shares[high]:.3f} "
+def count_for_sparsity(settings: "MethodSettings", units: tuple[int, ...], size: ModelSize, high: int, unit: str) -> int:
+    """How many of ``units`` (the parameters of each block, or of each attention sublayer) ``settings`` removes
+    so that the share of the blocks' parameters removed, less what the method puts in their place, is nearest
+    its ``sparsity``; refused in one line where no count from 1 to ``high`` comes within half a unit."""
+    total, per_unit = sum(size.block_parameters), sum(units) / len(units)
+    shares = {n: (n * per_unit - settings.parameters_added(n, size.hidden_size)) / total for n in range(1, high + 1)}
+    count = min(shares, key=lambda n: abs(shares[n] - settings.sparsity))
+    if abs(shares[count] - settings.sparsity) > per_unit / total / 2:
+        raise BlockfoldError(f"--sparsity {settings.sparsity:g} cannot be reached by removing {unit} of this model: use "
+                             f"a sparsity from {shares[1]:.3f} (1 of its {len(units)} {unit}) to {shares[high]:.3f} "
                              f"({high}), or a width method (svd-llm, slicegpt, llm-pruner)")
     return count
+
+
+def check_one_budget(settings: "MethodSettings", count_field: str, count_flag: str) -> None:
+    """One of a count (``count_field``, default 8), ``ratio`` and ``sparsity`` given, or a one-line error."""
+    given = [f"{name} (--{flag})" for name, flag in ((count_field, count_flag), ("ratio", "ratio"),
+                                                     ("sparsity", "sparsity")) if getattr(settings, name) is not None]
+    if len(given) > 1:
+        raise ValueError(f"give one budget, not {' and '.join(given)}")
+    if not given:
+        settings._resolve(count_field, 8)
 
 
 class CosineConfig(Strict):
@@ -116,21 +124,13 @@ class BlockBudget(MethodSettings):
 
     @model_validator(mode="after")
     def _one_budget(self):
-        given = [flag for flag, value in (("blocks (--blocks)", self.blocks), ("ratio (--ratio)", self.ratio),
-                                          ("sparsity (--sparsity)", self.sparsity)) if value is not None]
-        if len(given) > 1:
-            raise ValueError(f"give one budget, not {' and '.join(given)}")
-        if not given:
-            self._resolve("blocks", 8)
+        check_one_budget(self, "blocks", "blocks")
         return self
 
     def for_model(self, size: ModelSize) -> "BlockBudget":
         if self.sparsity is None:
             return self
-        per_block = sum(size.block_parameters) / len(size.block_parameters)
-        count = count_for_sparsity(self.sparsity, per_block, size,
-                                   lambda n: self.parameters_added(n, size.hidden_size),
-                                   1, len(size.block_parameters) - 2, "blocks")
+        count = count_for_sparsity(self, size.block_parameters, size, len(size.block_parameters) - 2, "blocks")
         return self.model_copy(update={"blocks": count, "sparsity": None})
 
     def num_blocks(self, num_layers: int) -> int:
@@ -158,21 +158,14 @@ class AttentionBudget(MethodSettings):
 
     @model_validator(mode="after")
     def _one_budget(self):
-        given = [flag for flag, value in (("attention_layers (--attn)", self.attention_layers),
-                                          ("ratio (--ratio)", self.ratio), ("sparsity (--sparsity)", self.sparsity))
-                 if value is not None]
-        if len(given) > 1:
-            raise ValueError(f"give one budget, not {' and '.join(given)}")
-        if not given:
-            self._resolve("attention_layers", 8)
+        check_one_budget(self, "attention_layers", "attn")
         return self
 
     def for_model(self, size: ModelSize) -> "AttentionBudget":
         if self.sparsity is None:
             return self
-        per_layer = sum(size.attention_parameters) / len(size.attention_parameters)
-        count = count_for_sparsity(self.sparsity, per_layer, size, lambda n: self.parameters_added(n, size.hidden_size),
-                                   1, len(size.attention_parameters), "attention layers")
+        count = count_for_sparsity(self, size.attention_parameters, size, len(size.attention_parameters),
+                                   "attention layers")
         return self.model_copy(update={"attention_layers": count, "sparsity": None})
 
     def num_attention_layers(self, num_layers: int) -> int:
