@@ -41,14 +41,16 @@ def measure_peak_rss(model_spec: str, sequences: int, calib: str) -> dict:
     """Peak RSS of the compress phase alone: the kernel's high-water mark is reset just before it
     (``clear_refs`` 5), so model loading does not mask what compress itself needs."""
     import blockfold
-    from blockfold.eval.speed import peak_memory, reset_peak_memory
+    from blockfold.runtime import peak_memory, resident_memory
 
     loaded, recipe, calibration = _setup(model_spec, sequences, calib)
     gc.collect()
-    before = reset_peak_memory(loaded.model)
-    started = time.perf_counter()
-    blockfold.compress(loaded.model, loaded.tokenizer, recipe, calibration=calibration)
-    peak = peak_memory(loaded.model)
+    record = {}
+    with peak_memory(torch.device("cpu"), record, "peak"):
+        before = resident_memory("VmRSS") / 2**20
+        started = time.perf_counter()
+        blockfold.compress(loaded.model, loaded.tokenizer, recipe, calibration=calibration)
+    peak = record["peak"] / 2**20
     return {"sequences": sequences, "tokens": calibration.num_tokens, "compress_seconds": time.perf_counter() - started,
             "rss_before_compress_mib": before, "peak_rss_during_compress_mib": peak,
             "compress_extra_mib": peak - before,

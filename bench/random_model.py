@@ -36,6 +36,7 @@ from torch import nn
 from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from blockfold.models.checkpoint import DEFAULT_SHARD_BYTES, ShardWriter
+from blockfold.runtime import resident_memory
 
 log = logging.getLogger("random_model")
 
@@ -175,10 +176,10 @@ def build_random_model(out: Path, config: LlamaConfig, dtype: torch.dtype, seed:
 
 def peak_rss_mib() -> float:
     """This process's peak resident memory (VmHWM)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
+    peak = resident_memory()
+    if peak is None:
+        raise RuntimeError("no VmHWM in /proc/self/status")
+    return peak / 2**20
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -154,6 +154,16 @@ def free_memory(device: torch.device) -> int | None:
     return None
 
 
+def resident_memory(field: str = "VmHWM") -> int | None:
+    """This process's resident memory in bytes from Linux's ``/proc/self/status``: its peak (``VmHWM``, since
+    start or since ``peak_memory`` reset it) or its current size (``VmRSS``); None where it cannot be read."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1]) * 1024
+    return None
+
+
 @contextlib.contextmanager
 def peak_memory(device: torch.device, record: dict, key: str):
     """Adds ``record[key]``: the most memory in use while the block runs, in bytes. On an accelerator the
@@ -175,10 +185,7 @@ def peak_memory(device: torch.device, record: dict, key: str):
         if device is not None and device.type == "cuda":
             record[key] = int(torch.cuda.max_memory_allocated(device))
         elif device is not None:
-            with contextlib.suppress(OSError, ValueError, IndexError, StopIteration):
-                line = next(line for line in Path("/proc/self/status").read_text().splitlines()
-                            if line.startswith("VmHWM:"))
-                record[key] = int(line.split()[1]) * 1024
+            record[key] = resident_memory()
 
 
 def check_offload_dir(path: str | None, needed_bytes: int = 0) -> Path:
