@@ -68,7 +68,10 @@ def _what_was_done(manifest: dict) -> str:
                 f"to {kept} dimensions (SliceGPT): every weight that reads or writes the stream lost rows or "
                 "columns, and the norms' gains were folded into the weights that read them"
                 + ("; the tied embeddings are the LM head, so the final norm's gain became a square map after it"
-                   if sliced["tied_head_map"] else "") + ".")
+                   if sliced["tied_head_map"] else "")
+                + ("; the LayerNorms became RMSNorms of the rotated stream, which has no mean left to subtract, and "
+                   "their biases moved into the weights that read them" if sliced.get("layer_norms_converted") else "")
+                + ".")
     if low_rank:
         before_count, after_count = low_rank["projection_parameters"]
         how = (f"truncated where its output on {data} loses least (the SVD of the weight whitened by its inputs' "
@@ -185,8 +188,10 @@ def model_card(manifest: dict, folder: Path, name: str, license_name: str | None
                   "its vision encoder and projector are the source's, byte for byte. Plain transformers and vLLM load it "
                   "as they load the source:", "", "```bash", f"vllm serve {name}", "```", ""]
     elif remote_code and (manifest.get("low_rank") or manifest.get("sliced") or manifest.get("pruned")):
+        sliced = manifest.get("sliced") or {}
         what = ("factored projections" if manifest.get("low_rank") else "map after the final norm"
-                if manifest.get("sliced") else "blocks of different widths")
+                if sliced.get("tied_head_map") else "RMSNorms in place of LayerNorms" if sliced
+                else "blocks of different widths")
         lines += [f"The {what} need the modeling code shipped in this folder (`modeling_blockfold.py`, classes "
                   f"registered as `{architecture}`): load with `trust_remote_code=True`; blockfold itself is not "
                   f"needed. Neither vLLM (blockfold's plugin serves linearized layers only) nor llama.cpp (no "
