@@ -76,6 +76,11 @@ class Architecture:
     arch: MODEL_ARCH
     permute_qk: bool = False  # llama.cpp's llama graph applies rotary embeddings to interleaved pairs
     norm_offset: float = 0.0  # Gemma's RMSNorm multiplies by (1 + w); llama.cpp stores 1 + w
+    #: a mixture of experts: whether llama.cpp's graph rescales the chosen experts' weights to sum to 1
+    #: (it hard-codes the family's usual choice; a config asking otherwise is refused)
+    renormalizes_experts: bool | None = None
+    #: llama.cpp's loader wants ``output.weight`` even where the model ties it to the embeddings
+    requires_output: bool = False
 
 
 ARCHITECTURES = {
@@ -85,7 +90,15 @@ ARCHITECTURES = {
     "qwen3": Architecture(MODEL_ARCH.QWEN3),
     "gemma2": Architecture(MODEL_ARCH.GEMMA2, norm_offset=1.0),
     "gemma3_text": Architecture(MODEL_ARCH.GEMMA3, norm_offset=1.0),
+    # mixtures of experts: every block sparse, the experts stacked into one tensor per projection
+    "mixtral": Architecture(MODEL_ARCH.LLAMA, permute_qk=True, renormalizes_experts=True),
+    "qwen2_moe": Architecture(MODEL_ARCH.QWEN2MOE, renormalizes_experts=False, requires_output=True),
+    "qwen3_moe": Architecture(MODEL_ARCH.QWEN3MOE, renormalizes_experts=True),
+    "olmoe": Architecture(MODEL_ARCH.OLMOE, renormalizes_experts=False, requires_output=True),
 }
+#: one expert's projection as transformers saves it (Mixtral's w1/w2/w3, the others' *_proj)
+_EXPERT = re.compile(r"^(?P<experts>model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts)\.(?P<index>\d+)\."
+                     r"(?P<projection>\w+)\.weight$")
 
 
 def export_gguf(model: str | Path, out: str | Path, quant: str = "f16", overwrite: bool = False,
@@ -114,11 +127,74 @@ def export_gguf(model: str | Path, out: str | Path, quant: str = "f16", overwrit
 @dataclass
 class _Tensor:
     gguf_name: str
-    hf_name: str | None  # read from the checkpoint and converted, or
+    hf_name: str | None  # the transformers name llama.cpp's converter maps (for stacked experts, the stack's)
     copied_from: ReaderTensor | None  # copied byte for byte from this tensor of the source GGUF, or
-    values: np.ndarray | None  # computed here (llama.cpp's tensors transformers keeps in its config)
+    values: np.ndarray | None  # computed here (llama.cpp's tensors transformers keeps in its config), or
     qtype: GGMLQuantizationType
     shape: tuple[int, ...]  # logical shape, numpy order
+    parts: tuple[str, ...] = ()  # read from these checkpoint tensors: one, or one per expert, stacked
+
+    def read(self, reader: CheckpointReader) -> torch.Tensor:
+        if len(self.parts) == 1:
+            return reader.get(self.parts[0]).reshape(self.shape)
+        return torch.stack([reader.get(name) for name in self.parts])
+
+
+def _checkpoint_tensors(reader: CheckpointReader, model: Path) -> list[tuple[str, tuple[str, ...]]]:
+    """Each tensor llama.cpp stores, by the name its converter maps, with the checkpoint tensors it is
+    made of: itself, or (a mixture's experts) every expert's projection stacked in expert order."""
+    entries: list[tuple[str, tuple[str, ...]]] = []
+    stacks: dict[str, dict[int, str]] = {}
+    for name in reader.names():
+        match = _EXPERT.match(name)
+        if match is None:
+            entries.append((name, (name,)))
+            continue
+        stacked = f"{match['experts']}.{match['projection']}.weight"
+        if stacked not in stacks:
+            stacks[stacked] = {}
+            entries.append((stacked, ()))
+        stacks[stacked][int(match["index"])] = name
+    for position, (name, parts) in enumerate(entries):
+        if name in stacks:
+            experts = stacks[name]
+            if sorted(experts) != list(range(len(experts))):
+                missing = sorted(set(range(max(experts) + 1)) - set(experts))
+                raise BlockfoldError(f"{model}: {name.removesuffix('.weight')} has no tensor for expert(s) "
+                                     f"{', '.join(map(str, missing))}: export the complete checkpoint")
+            entries[position] = (name, tuple(experts[index] for index in range(len(experts))))
+    return entries
+
+
+def _refuse_experts_llama_cpp_runs_otherwise(config, architecture: Architecture, model: Path, quant: str) -> None:
+    """llama.cpp's graphs for the mixture-of-experts families hard-code what transformers reads from the
+    config: every block sparse, the experts' weights renormalized (or not) as the family usually does."""
+    if architecture.renormalizes_experts is None:
+        return
+    name = MODEL_ARCH_NAMES[architecture.arch]
+    dense = _dense_layers(config)
+    if dense:
+        raise BlockfoldError(f"{model}: blocks {', '.join(map(str, dense))} are dense in a mixture of experts, and "
+                             f"llama.cpp's {name} graph runs experts in every block; serve it with transformers or vLLM")
+    renormalizes = getattr(config, "norm_topk_prob", True)  # Mixtral always renormalizes and has no such field
+    if renormalizes != architecture.renormalizes_experts:
+        raise BlockfoldError(f"{model}: its config says norm_topk_prob={renormalizes}, and llama.cpp's {name} graph "
+                             f"always computes it as {architecture.renormalizes_experts}; serve it with transformers "
+                             "or vLLM")
+    if getattr(config, "clip_qkv", None) is not None:
+        raise BlockfoldError(f"{model}: its config clips q, k and v at {config.clip_qkv}, which llama.cpp's {name} "
+                             "graph does not; serve it with transformers or vLLM")
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+    if quant in K_FILE_TYPES and experts == 8:
+        raise BlockfoldError(f"--quant {quant}: llama-quantize gives 8-expert models their own types, which "
+                             "blockfold does not reproduce; export --quant f16 and run llama.cpp's llama-quantize")
+
+
+def _dense_layers(config) -> list[int]:
+    """The blocks of a Qwen mixture of experts that keep a plain MLP (``mlp_only_layers``, ``decoder_sparse_step``)."""
+    only = set(getattr(config, "mlp_only_layers", None) or ())
+    step = getattr(config, "decoder_sparse_step", 1) or 1
+    return [index for index in range(config.num_hidden_layers) if index in only or (index + 1) % step]
 
 
 @dataclass
@@ -164,6 +240,7 @@ def _plan(model: Path, quant: str, tokenizer_pre: str | None = None) -> _Plan:
         raise BlockfoldError(f"GGUF export supports model types {', '.join(ARCHITECTURES)}; {model} is "
                              f"{model_type!r}")
     architecture = ARCHITECTURES[model_type]
+    _refuse_experts_llama_cpp_runs_otherwise(config, architecture, model, quant)
     manifest = _manifest(model)
     kept = _kept_blocks(manifest, config.num_hidden_layers)
     found = _source_gguf(manifest, model)
@@ -174,16 +251,22 @@ def _plan(model: Path, quant: str, tokenizer_pre: str | None = None) -> _Plan:
     source = _SourceGGUF(*found) if found else None
     names_now = get_tensor_name_map(architecture.arch, config.num_hidden_layers)
     tied = "lm_head.weight" not in reader.names()
+    entries = _checkpoint_tensors(reader, model)
+    if tied and architecture.requires_output:  # the head llama.cpp wants, a copy of the embeddings
+        entries.append(("lm_head.weight", ("model.embed_tokens.weight",)))
+        tied = False  # as llama-quantize sees the file: it has an output.weight
     tensors = []
-    for hf_name in reader.names():
+    for hf_name, parts in entries:
         gguf_name = names_now.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if gguf_name is None:
             raise BlockfoldError(f"{model}: no GGUF name for tensor {hf_name} of {model_type}; this checkpoint does "
                                  "not match llama.cpp's layout for its architecture")
-        shape = tuple(reader.shape(hf_name))
-        copied = source.unchanged(hf_name, kept, reader) if (source and quant == SOURCE) else None
+        shape = (len(parts), *reader.shape(parts[0])) if len(parts) > 1 else tuple(reader.shape(parts[0]))
+        if gguf_name.endswith("ffn_gate_inp_shexp.weight"):  # a (1, hidden) row that llama.cpp reads as a vector
+            shape = shape[1:]
+        copied = source.unchanged(hf_name, parts, kept, reader) if (source and quant == SOURCE) else None
         if copied is not None:
-            tensors.append(_Tensor(gguf_name, None, copied, None, copied.tensor_type, shape))
+            tensors.append(_Tensor(gguf_name, hf_name, copied, None, copied.tensor_type, shape))
             continue
         if len(shape) < 2:
             qtype = Q.F32
@@ -196,9 +279,10 @@ def _plan(model: Path, quant: str, tokenizer_pre: str | None = None) -> _Plan:
                                  config.num_hidden_layers, tied_embeddings=tied)
         else:
             qtype = _fits(QUANT_TYPES[quant], shape)
-        if qtype != Q.F32 and _below_float16(reader.get(hf_name)):
-            qtype = Q.F32
-        tensors.append(_Tensor(gguf_name, hf_name, None, None, qtype, shape))
+        tensor = _Tensor(gguf_name, hf_name, None, None, qtype, shape, parts)
+        if qtype != Q.F32 and _below_float16(tensor.read(reader)):
+            tensor.qtype = Q.F32
+        tensors.append(tensor)
     rope_factors = llama3_rope_factors(config)
     if rope_factors is not None:
         tensors.append(_Tensor("rope_freqs.weight", None, None, rope_factors, Q.F32, rope_factors.shape))
@@ -291,13 +375,16 @@ class _SourceGGUF:
         name = self.names.get_name(self._source_name(hf_name, kept), try_suffixes=(".weight", ".bias"))
         return self.tensors[name].tensor_type if name in self.tensors else None
 
-    def unchanged(self, hf_name: str, kept: list[int], reader: CheckpointReader):
-        """The source's GGUF tensor for ``hf_name`` when compression left it bit for bit as converted."""
-        source_hf = self._source_name(hf_name, kept)
-        gguf_name = self.names.get_name(source_hf, try_suffixes=(".weight", ".bias"))
-        if gguf_name not in self.tensors or source_hf not in self.converted:
+    def unchanged(self, hf_name: str, parts: tuple[str, ...], kept: list[int], reader: CheckpointReader):
+        """The source's GGUF tensor for ``hf_name`` when compression left every part of it bit for bit as
+        converted."""
+        gguf_name = self.names.get_name(self._source_name(hf_name, kept), try_suffixes=(".weight", ".bias"))
+        sources = [self._source_name(part, kept) for part in parts]
+        if gguf_name not in self.tensors or any(source not in self.converted for source in sources):
             return None
-        return self.tensors[gguf_name] if torch.equal(reader.get(hf_name), self.converted.get(source_hf)) else None
+        if all(torch.equal(reader.get(part), self.converted.get(source)) for part, source in zip(parts, sources)):
+            return self.tensors[gguf_name]
+        return None
 
     def metadata(self, architecture: Architecture, kept: list[int]) -> list:
         """Every field of the source but its file layout, per-layer arrays cut to the kept blocks."""
@@ -384,7 +471,7 @@ def _write(plan: _Plan, path: Path) -> None:
             elif tensor.values is not None:
                 writer.write_tensor_data(tensor.values)
             else:
-                writer.write_tensor_data(_encode(_gguf_layout(reader.get(tensor.hf_name), tensor.hf_name, plan),
+                writer.write_tensor_data(_encode(_gguf_layout(tensor.read(reader), tensor.hf_name, plan),
                                                  tensor.qtype))
     finally:
         writer.close()

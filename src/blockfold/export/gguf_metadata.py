@@ -61,11 +61,29 @@ def config_metadata(config, arch: str, name: str, license_name: str | None) -> l
                    (Keys.Rope.DIMENSION_COUNT.format(arch=arch), head_dim, V.UINT32, None)]
     if getattr(text, "sliding_window", None) and arch in ("gemma2", "gemma3"):
         fields.append((Keys.Attention.SLIDING_WINDOW.format(arch=arch), text.sliding_window, V.UINT32, None))
+    fields += _expert_fields(text, arch)
     for key, attribute in ((Keys.LLM.ATTN_LOGIT_SOFTCAPPING, "attn_logit_softcapping"),
                            (Keys.LLM.FINAL_LOGIT_SOFTCAPPING, "final_logit_softcapping")):
         if getattr(text, attribute, None):
             fields.append((key.format(arch=arch), float(getattr(text, attribute)), V.FLOAT32, None))
     return fields + _rope_fields(text, arch)
+
+
+def _expert_fields(text, arch: str) -> list[Field]:
+    """A mixture of experts' counts and widths (llama.cpp reads an expert's width as the MLP's where
+    the config has no separate one, as Mixtral and OLMoE do)."""
+    experts = getattr(text, "num_local_experts", None) or getattr(text, "num_experts", None)
+    if not experts:
+        return []
+    fields: list[Field] = [(Keys.LLM.EXPERT_COUNT.format(arch=arch), experts, V.UINT32, None),
+                           (Keys.LLM.EXPERT_USED_COUNT.format(arch=arch), text.num_experts_per_tok, V.UINT32, None)]
+    if getattr(text, "moe_intermediate_size", None):
+        fields.append((Keys.LLM.EXPERT_FEED_FORWARD_LENGTH.format(arch=arch), text.moe_intermediate_size, V.UINT32,
+                       None))
+    if getattr(text, "shared_expert_intermediate_size", None):
+        fields.append((Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH.format(arch=arch),
+                       text.shared_expert_intermediate_size, V.UINT32, None))
+    return fields
 
 
 def _rope_parameters(text) -> tuple[dict, dict | None]:
