@@ -135,10 +135,8 @@ def _convert_onnx(onnx_file: Path) -> Path:
     """Convert a DINOv2 backbone exported to ONNX into a cached ``Dinov2Model`` folder once."""
     from blockfold.models.onnx_dinov2 import convert_dinov2_onnx
 
-    try:
-        import onnx  # noqa: F401 - the converter reads the graph with it
-    except ImportError:
-        raise BlockfoldError(f"reading {onnx_file.name} needs the onnx package: run `pip install onnx`") from None
+    if importlib.util.find_spec("onnx") is None:  # the converter reads the graph with it
+        raise BlockfoldError(f"reading {onnx_file.name} needs the onnx package: run `pip install onnx`")
     return _converted_once(onnx_file, lambda staging: convert_dinov2_onnx(onnx_file, staging))
 
 
