@@ -149,14 +149,14 @@ def as_handle(model, tokenizer: PreTrainedTokenizerBase | None, execution: Execu
 
         return open_model(model, execution, check=get_adapter)
     if isinstance(model, PreTrainedModel):
-        from blockfold.models.multimodal import language_model_view
+        from blockfold.models.multimodal import compressed_view
         from blockfold.runtime import settle_vector_math
 
         settle_vector_math()
         model.eval()
         model.requires_grad_(False)
         parameter = next(model.parameters())
-        view = language_model_view(model)
+        view = compressed_view(model)
         return ModelHandle(view, tokenizer, parameter.device, parameter.dtype, WeightStore(None),
                            container=model if view is not model else None)
     raise BlockfoldError(f"cannot compress a {type(model).__name__}: give a model spec, a ModelHandle or a "
@@ -296,12 +296,14 @@ def evaluate(
     task_data: str = "offline",
     cache: bool = True,
     images: str | Path | None = None,
+    zero_shot: str | Path | None = None,
 ) -> dict:
     """Perplexity on ``perplexity_text`` and harness accuracy on ``tasks`` of ``model`` (a spec, a
     folder, or a ``CompressionResult``) and of its ``baseline`` (``auto``: the source its manifest
     names; None or ``none``: no comparison), with the ratio and relative performance. The result is
     what ``blockfold eval --json`` writes. For an image encoder, ``images`` (a folder) gives the
-    embeddings' agreement with the baseline's and each model's k-NN accuracy (``eval/vision.py``)."""
+    embeddings' agreement with the baseline's and each model's k-NN accuracy; for an image-text dual
+    encoder, ``zero_shot`` (a folder of class subfolders) each model's zero-shot accuracy (``eval/vision.py``)."""
     from blockfold.eval import perplexity, read_eval_text, tokenize_windows
     from blockfold.models import load_model
     from blockfold.models.sources import cache_dir
@@ -312,7 +314,7 @@ def evaluate(
     if task_data not in TASK_DATA:
         raise BlockfoldError(f"task_data {task_data!r} is not a task data source: use {' or '.join(TASK_DATA)}")
     text = read_eval_text(perplexity_text) if perplexity_text is not None else None
-    if text is None and not tasks and images is None:
+    if text is None and not tasks and images is None and zero_shot is None:
         raise BlockfoldError("nothing to evaluate: give a perplexity text, tasks or (for an image encoder) images")
     if tasks:
         from blockfold.eval.tasks import cached_evaluate, relative_performance, task_configs
@@ -347,6 +349,10 @@ def evaluate(
             results[role]["images"] = {"count": len(embeddings[role])}
             if labels is not None:
                 results[role]["images"]["knn_accuracy"] = knn_accuracy(embeddings[role], labels)
+        if zero_shot is not None:
+            from blockfold.eval.vision import zero_shot_accuracy
+
+            results[role]["zero_shot"] = zero_shot_accuracy(loaded, zero_shot, batch_size)
         if text is not None:
             windows = tokenize_windows(text, loaded.tokenizer, sequence_length, max_windows)
             results[role].update(perplexity(loaded, windows, description=f"perplexity ({role})"))

@@ -293,6 +293,8 @@ def _add_eval(sub) -> None:
     p.add_argument("--baseline", default="auto", help="model to compare against; 'auto' = the manifest's source, 'none' = skip")
     p.add_argument("--images", help="image encoders: a folder of images; the embeddings' cosine agreement with the "
                                     "baseline's, and k-NN accuracy where the images sit in class subfolders")
+    p.add_argument("--zero-shot", help="CLIP / SigLIP: a folder of class subfolders (names from the folders or its "
+                                       "class_names.json); top-1 and top-5 zero-shot accuracy")
     p.add_argument("--json", help="write the results as JSON here")
 
 
@@ -671,17 +673,22 @@ def cmd_eval(args) -> int:
     if args.json:
         check_json_target(args.json)
     tasks = [t for t in (args.tasks or "").split(",") if t]
-    ppl_path = args.ppl if args.ppl is not None else (None if tasks or args.images else str(DEFAULT_PPL_TEXT))
+    ppl_path = args.ppl if args.ppl is not None else (None if tasks or args.images or args.zero_shot
+                                                      else str(DEFAULT_PPL_TEXT))
     results = evaluate(args.model, perplexity_text=ppl_path, tasks=tasks, baseline=args.baseline,
                        execution=_execution_from_args(args),
                        sequence_length=args.ppl_seq_len, max_windows=args.ppl_windows, limit=args.limit,
                        fewshot=args.fewshot, batch_size=args.task_batch_size, task_data=args.task_data, cache=not args.no_cache,
-                       images=args.images)
+                       images=args.images, zero_shot=args.zero_shot)
     rows = []
     for role in ("original", "model"):
         seen = results.get(role, {}).get("images")
         if seen and "knn_accuracy" in seen:
             rows.append((f"{role}: {results[role]['spec']}", f"{knn_label} {seen['knn_accuracy']:.4f} ({seen['count']} images)"))
+        zero_shot = results.get(role, {}).get("zero_shot")
+        if zero_shot:
+            rows.append((f"{role}: zero-shot", f"top-1 {zero_shot['top1']:.4f}, top-5 {zero_shot['top5']:.4f} "
+                                               f"({zero_shot['images']} images, {zero_shot['classes']} classes)"))
     if "embedding_agreement" in results:
         agreement = results["embedding_agreement"]
         rows.append(("embedding cosine (model vs original)", f"mean {agreement['cosine_mean']:.4f}, worst image "
@@ -701,7 +708,7 @@ def cmd_eval(args) -> int:
         for task, value in rp["tasks"].items():
             rows.append((f"RP {task}", f"{value['rp']:.3f} ± {value['stderr']:.3f}"))
         rows.append(("RP average", f"{rp['average']['rp']:.3f} ± {rp['average']['stderr']:.3f}"))
-    _print_table(rows, f"blockfold eval: {', '.join(filter(None, [ppl_path, ','.join(tasks), args.images]))}")
+    _print_table(rows, f"blockfold eval: {', '.join(filter(None, [ppl_path, ','.join(tasks), args.images, args.zero_shot]))}")
     if args.json:
         write_json(args.json, results, indent=2)
     return 0

@@ -143,7 +143,7 @@ def plan_for(spec: str, recipe: Recipe, execution: Execution, accelerator_memory
     """The plan of compressing ``spec`` as ``recipe`` says, on this machine's device, or on an
     accelerator with ``accelerator_memory`` bytes (a plan for a GPU this machine does not have)."""
     from blockfold.adapters import get_adapter
-    from blockfold.models.multimodal import language_model_view
+    from blockfold.models.multimodal import compressed_view
     from blockfold.models.sources import skeleton
     from blockfold.pipelines import ACTIVATION_SHARE, CPU_ACTIVATION_BYTES, STATS_SHARE
 
@@ -156,7 +156,7 @@ def plan_for(spec: str, recipe: Recipe, execution: Execution, accelerator_memory
     source = source if isinstance(source, torch.dtype) else DTYPES.get(str(source).removeprefix("torch."), torch.float32)
     dtype = DTYPES[execution.dtype] if execution.dtype != "auto" else (source if on_accelerator else torch.float32)
     container = skeleton(config, dtype)  # a multimodal wrapper's vision tower counts in its memory, not its passes
-    model = language_model_view(container)
+    model = compressed_view(container)
     layers = adapter.layers(model)
     num_layers, d = len(layers), adapter.hidden_size(model)
     element = dtype.itemsize

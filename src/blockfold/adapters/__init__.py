@@ -122,9 +122,15 @@ def supported_model_types() -> list[str]:
     return sorted(t for t in ADAPTERS if not t.startswith("blockfold_"))
 
 
-def language_config(config):
-    """The config of the decoder blockfold compresses: a multimodal wrapper's ``text_config`` (its
-    language model; ``models/multimodal.py``), else ``config`` itself."""
+#: image-text dual encoders: blockfold compresses their vision tower in place (``models/multimodal.py``)
+DUAL_ENCODERS = ("clip", "siglip")
+
+
+def compressed_config(config):
+    """The config of the network blockfold compresses: a multimodal wrapper's ``text_config`` (its
+    language model), a dual encoder's ``vision_config`` (its image tower), else ``config`` itself."""
+    if getattr(config, "model_type", None) in DUAL_ENCODERS and getattr(config, "vision_config", None) is not None:
+        return config.vision_config
     text_config = getattr(config, "text_config", None)
     if text_config is None or getattr(config, "model_type", None) in ADAPTERS:
         return config
@@ -135,10 +141,11 @@ def get_adapter(model_or_config) -> DecoderAdapter:
     """The adapter for a model (or its config; a multimodal config's language model), or a clear error
     naming the supported architectures."""
     outer = getattr(model_or_config, "config", model_or_config)
-    config = language_config(outer)
+    config = compressed_config(outer)
     model_type = getattr(config, "model_type", None)
     if model_type not in ADAPTERS:
-        inside = f" (the language model of the multimodal {outer.model_type!r})" if config is not outer else ""
+        role = "vision tower of the dual encoder" if outer.model_type in DUAL_ENCODERS else "language model of the multimodal"
+        inside = f" (the {role} {outer.model_type!r})" if config is not outer else ""
         raise BlockfoldError(
             f"unsupported architecture {model_type!r}{inside}: blockfold supports "
             f"{', '.join(supported_model_types())}, and multimodal checkpoints whose language model is one of them; "
@@ -147,4 +154,4 @@ def get_adapter(model_or_config) -> DecoderAdapter:
     return ADAPTERS[model_type]
 
 
-__all__ = ["ADAPTERS", "DecoderAdapter", "MixtureOfExpertsAdapter", "Projection", "VisionEncoderAdapter", "get_adapter", "language_config", "supported_model_types"]
+__all__ = ["ADAPTERS", "DUAL_ENCODERS", "DecoderAdapter", "MixtureOfExpertsAdapter", "Projection", "VisionEncoderAdapter", "get_adapter", "compressed_config", "supported_model_types"]

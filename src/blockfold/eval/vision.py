@@ -1,6 +1,7 @@
 """What a compressed image encoder kept: its embeddings' agreement with the original's (cosine, per
 image) and, where the images sit in class subfolders, k-nearest-neighbour accuracy of each model's
-embeddings (leave one out), a training-free stand-in for a linear probe."""
+embeddings (leave one out), a training-free stand-in for a linear probe; for an image-text dual encoder
+(CLIP, SigLIP), zero-shot classification as the ReplaceMe paper measures it."""
 
 from __future__ import annotations
 
@@ -15,6 +16,10 @@ from blockfold.errors import BlockfoldError
 from blockfold.models.handle import ModelHandle
 
 KNN_NEIGHBOURS = 5
+#: CLIP's prompt for a class name
+ZERO_SHOT_TEMPLATE = "a photo of a {}."
+#: a file in a zero-shot folder naming each class subfolder's class: {"n01440764": "tench", ...}
+CLASS_NAMES_FILE = "class_names.json"
 
 
 def image_labels(files: list[Path], root: str | Path) -> list[str] | None:
@@ -57,3 +62,47 @@ def embedding_agreement(model: torch.Tensor, original: torch.Tensor) -> dict:
     """Cosine between each image's embedding under the two models: mean and worst image."""
     cosine = F.cosine_similarity(model.double(), original.double(), dim=-1)
     return {"cosine_mean": float(cosine.mean()), "cosine_min": float(cosine.min()), "images": len(cosine)}
+
+
+@torch.no_grad()
+def zero_shot_accuracy(handle: ModelHandle, folder: str | Path, batch_size: int = 8,
+                       template: str = ZERO_SHOT_TEMPLATE) -> dict:
+    """Top-1 and top-5 accuracy of a dual encoder picking each image's class among all classes by the
+    cosine of its image embedding with the embedding of the class's prompt. Classes are the image's
+    first folder under ``folder``, named by ``class_names.json`` there or by the folder (``_`` as spaces)."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    container = handle.container
+    if container is None or not hasattr(container, "get_text_features"):
+        raise BlockfoldError(f"{handle.spec or 'the model'} has no text tower: --zero-shot is for image-text dual "
+                             "encoders (CLIP, SigLIP); use --images for k-NN accuracy")
+    if not handle.resident:
+        raise BlockfoldError("--zero-shot runs the whole model: drop --pipeline sequential")
+    files = image_files(folder)
+    labels = image_labels(files, folder)
+    if labels is None:
+        raise BlockfoldError(f"{folder}: --zero-shot needs the images in two or more class subfolders")
+    names_file = Path(folder).expanduser() / CLASS_NAMES_FILE
+    names = json.loads(names_file.read_text()) if names_file.is_file() else {}
+    classes = sorted(set(labels))
+    prompts = [template.format(names.get(label, label.replace("_", " "))) for label in classes]
+    tokenizer = AutoTokenizer.from_pretrained(handle.path)
+    padding = "max_length" if container.config.model_type == "siglip" else True  # SigLIP was trained padded to 64
+    text = tokenizer(prompts, padding=padding, return_tensors="pt").to(handle.device)
+    text_embeddings = F.normalize(_features(container.get_text_features(**text)).float(), dim=-1)
+    batches, _ = pixel_batches(files, handle.tokenizer, handle.adapter, handle.config, batch_size)
+    scores = torch.cat([F.normalize(_features(container.get_image_features(
+        pixel_values=batch.pixel_values.to(handle.device, handle.dtype))).float(), dim=-1) @ text_embeddings.T
+        for batch in batches]).cpu()
+    truth = torch.tensor([classes.index(label) for label in labels])
+    ranked = scores.topk(min(5, len(classes)), dim=-1).indices
+    return {"top1": float((ranked[:, 0] == truth).double().mean()),
+            "top5": float((ranked == truth[:, None]).any(-1).double().mean()),
+            "classes": len(classes), "images": len(files), "template": template}
+
+
+def _features(output) -> torch.Tensor:
+    """The projected embeddings ``get_*_features`` return (a tensor, or an output holding them as its pooled output)."""
+    return output if isinstance(output, torch.Tensor) else output.pooler_output

@@ -303,7 +303,7 @@ class ModelHandle:
     def fresh_copy(self) -> "ModelHandle":
         """An unedited twin for another compression of the same weights (a sweep): a deep copy of a
         resident model, a new skeleton over the same checkpoint for a streamed one."""
-        from blockfold.models.multimodal import language_model_view
+        from blockfold.models.multimodal import compressed_view
 
         if self.resident:
             saved = copy.deepcopy(self.saved_model)
@@ -320,7 +320,7 @@ class ModelHandle:
             # its layer count (a shared one broke every later twin of a streamed model)
             saved = skeleton(copy.deepcopy(self.saved_model.config), self.dtype)
             store = WeightStore.of(saved, self.store.reader)
-        model = language_model_view(saved)
+        model = compressed_view(saved)
         return ModelHandle(model, self.tokenizer, self.device, self.dtype, store, self.spec, self.path,
                            saved if model is not saved else None)
 

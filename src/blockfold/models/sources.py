@@ -24,7 +24,7 @@ from blockfold.errors import BlockfoldError
 from blockfold.jsonfile import staged_file
 from blockfold.models.checkpoint import CheckpointReader, has_safetensors
 from blockfold.models.handle import ModelHandle, WeightStore
-from blockfold.models.multimodal import auto_class, is_vision, language_model_view
+from blockfold.models.multimodal import auto_class, is_vision, compressed_view
 from blockfold.models.quantized import check_quantized_source
 from blockfold.surgery.linearize import register_linearized_classes
 
@@ -279,7 +279,7 @@ def load_model(
 
 def _handle(model: PreTrainedModel, *fields) -> ModelHandle:
     """The handle of a loaded model; a multimodal one is compressed through its language model."""
-    view = language_model_view(model)
+    view = compressed_view(model)
     return ModelHandle(view, *fields, container=model if view is not model else None)
 
 
