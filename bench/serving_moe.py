@@ -5,7 +5,7 @@ greedy tokens for a compressed Mixtral, OLMoE, Qwen2-MoE and Qwen3-MoE?
     .venv/bin/python bench/serving_moe.py --json bench/results/serving_moe.json
 
 No mixture-of-experts checkpoint is available offline, so each family is a **random-weight** model of
-small shapes built from its config (every block sparse, 4 experts, 2 per token, head size 64 so that
+small shapes built from its config (every block sparse, OLMoE without grouped queries as OLMoE itself, 4 experts, 2 per token, head size 64 so that
 vLLM's CPU attention takes it, a byte-level BPE tokenizer trained here), saved, and compressed by
 ReplaceMe (2 of its 6 blocks; the map folds into every expert's down-projection). For the original and
 the compressed folder: greedy tokens of each engine against transformers (float32) on 20 LAMBADA
@@ -38,7 +38,7 @@ SHAPES = dict(hidden_size=256, intermediate_size=128, num_hidden_layers=6, num_a
               num_key_value_heads=2, max_position_embeddings=256, num_experts_per_tok=2)
 FAMILIES = {
     "mixtral": lambda: MixtralConfig(**SHAPES, num_local_experts=4),
-    "olmoe": lambda: OlmoeConfig(**SHAPES, num_experts=4),
+    "olmoe": lambda: OlmoeConfig(**{**SHAPES, "num_key_value_heads": 4}, num_experts=4),  # as OLMoE: no GQA
     "qwen2_moe": lambda: Qwen2MoeConfig(**SHAPES, num_experts=4, moe_intermediate_size=64,
                                         shared_expert_intermediate_size=128, decoder_sparse_step=1, mlp_only_layers=[]),
     "qwen3_moe": lambda: Qwen3MoeConfig(**SHAPES, num_experts=4, moe_intermediate_size=64, head_dim=64,

@@ -30,7 +30,7 @@ EXPERTS = dict(num_experts_per_tok=2)
 #: every block sparse and routed as llama.cpp's graph for the family routes
 SERVABLE = {
     "mixtral": lambda: MixtralConfig(**COMMON, **EXPERTS, num_local_experts=4),
-    "olmoe": lambda: OlmoeConfig(**COMMON, **EXPERTS, num_experts=4),
+    "olmoe": lambda: OlmoeConfig(**{**COMMON, "num_key_value_heads": 4}, **EXPERTS, num_experts=4),  # as OLMoE: no GQA
     "qwen2_moe": lambda: Qwen2MoeConfig(**COMMON, **EXPERTS, num_experts=4, moe_intermediate_size=16,
                                         shared_expert_intermediate_size=48, decoder_sparse_step=1, mlp_only_layers=[]),
     "qwen3_moe": lambda: Qwen3MoeConfig(**COMMON, **EXPERTS, num_experts=4, moe_intermediate_size=16, head_dim=8,
@@ -127,7 +127,9 @@ def test_a_tied_head_is_written_where_llama_cpp_requires_one(tmp_path):
     ("qwen3_moe", lambda: Qwen3MoeConfig(**COMMON, **EXPERTS, num_experts=4, moe_intermediate_size=16, head_dim=8,
                                          norm_topk_prob=False),
      "norm_topk_prob=False"),
-    ("olmoe", lambda: OlmoeConfig(**COMMON, **EXPERTS, num_experts=4, clip_qkv=8.0), "clips q, k and v"),
+    ("olmoe", lambda: OlmoeConfig(**{**COMMON, "num_key_value_heads": 4}, **EXPERTS, num_experts=4, clip_qkv=8.0),
+     "clips q, k and v"),
+    ("olmoe", lambda: OlmoeConfig(**COMMON, **EXPERTS, num_experts=4), "norms keys as wide as queries"),
 ])
 def test_what_llama_cpp_computes_otherwise_is_refused_in_one_line(capsys, family, config, says, tmp_path):
     folder = _compressed(family, tmp_path, config=config())

@@ -181,6 +181,10 @@ def _refuse_experts_llama_cpp_runs_otherwise(config, architecture: Architecture,
         raise BlockfoldError(f"{model}: its config says norm_topk_prob={renormalizes}, and llama.cpp's {name} graph "
                              f"always computes it as {architecture.renormalizes_experts}; serve it with transformers "
                              "or vLLM")
+    if architecture.arch == MODEL_ARCH.OLMOE and config.num_key_value_heads != config.num_attention_heads:
+        raise BlockfoldError(f"{model}: {config.num_key_value_heads} key-value heads for {config.num_attention_heads} "
+                             "query heads, and llama.cpp's olmoe graph norms keys as wide as queries (OLMoE's own "
+                             "layout); serve it with transformers or vLLM")
     if getattr(config, "clip_qkv", None) is not None:
         raise BlockfoldError(f"{model}: its config clips q, k and v at {config.clip_qkv}, which llama.cpp's {name} "
                              "graph does not; serve it with transformers or vLLM")
