@@ -16,6 +16,7 @@ from test_vision import image_folder, processor
 from transformers import AutoModel, CLIPConfig, CLIPModel, SiglipConfig, SiglipModel
 
 from blockfold.cli import main
+from blockfold.surgery.save import RECIPE_NAME
 
 TOWER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4)
 DUAL_ENCODERS = {
@@ -43,16 +44,20 @@ def dual_encoder_folder(kind: str, tmp_path):
 
 @pytest.mark.parametrize("kind", sorted(DUAL_ENCODERS))
 def test_vision_tower_compresses_in_place_and_the_class_reloads_without_blockfold(kind, tmp_path):
+    """Whole, layer by layer, and replayed from the saved recipe file: the same tensors."""
     folder = dual_encoder_folder(kind, tmp_path)
     images = image_folder(tmp_path / "images")
-    outs = {}
+    outs = {mode: tmp_path / f"out-{mode}" for mode in ("whole", "sequential", "recipe")}
     for pipeline in ("whole", "sequential"):
-        outs[pipeline] = tmp_path / f"out-{pipeline}"
         assert main(["compress", "--model", str(folder), "--calib", str(images), "--blocks", "2", "--pipeline",
                      pipeline, "--out", str(outs[pipeline])]) == 0
-    whole, sequential = (checkpoint_tensors(outs[p]) for p in ("whole", "sequential"))
-    assert whole.keys() == sequential.keys()
-    assert all(torch.allclose(whole[name], sequential[name], atol=1e-5) for name in whole)
+    assert main(["compress", "--model", str(folder), "--recipe", str(outs["whole"] / RECIPE_NAME),
+                 "--out", str(outs["recipe"])]) == 0
+    whole = checkpoint_tensors(outs["whole"])
+    for mode in ("sequential", "recipe"):
+        other = checkpoint_tensors(outs[mode])
+        assert whole.keys() == other.keys()
+        assert all(torch.allclose(whole[name], other[name], atol=1e-5) for name in whole), mode
     source = checkpoint_tensors(folder)
     text = [name for name in source if name.startswith("text_model.") or name.startswith("text_projection")]
     assert text and all(torch.equal(whole[name], source[name]) for name in text)  # the text tower as it was
