@@ -113,3 +113,28 @@ def test_the_dual_encoders_pooled_tower_output_is_what_get_image_features_projec
         assert torch.allclose(model.visual_projection(view(pixel_values=pixels).pooler_output),
                               model.get_image_features(pixel_values=pixels).pooler_output)
     assert view.config is model.config.vision_config and isinstance(model, type(AutoModel.from_config(model.config)))
+
+
+def test_sweep_of_a_dual_encoder_measures_images_and_reports_them(capsys, tmp_path):
+    """An encoder's sweep: embedding agreement, k-NN and zero-shot accuracy per run, in sweep.json and the report."""
+    folder = dual_encoder_folder("clip", tmp_path)
+    images = image_folder(tmp_path / "images", count=24, classes=3)
+    for index, label in enumerate(sorted(p.name for p in images.iterdir())):
+        (images / label).rename(images / f"w{10 + index}")
+    out = tmp_path / "sweep"
+    assert main(["sweep", "--model", str(folder), "--out", str(out), "--methods", "replaceme,uidl", "--budgets", "1,2",
+                 "--calib", str(images), "--num-seqs", "24", "--images", str(images)]) == 0
+    shown = capsys.readouterr().out
+    assert "embedding cosine" in shown and "export" not in shown
+    sweep = json.loads((out / "sweep.json").read_text())
+    assert sweep["kind"] == "encoder" and len(sweep["runs"]) == 4 and "analysis" not in sweep
+    assert sweep["original"]["zero_shot"]["classes"] == 3 and "knn_accuracy" in sweep["original"]["images"]
+    for run in sweep["runs"]:
+        assert 0 < run["embedding_agreement"]["cosine_mean"] <= 1 and "top1" in run["zero_shot"]
+        assert run["speed"]["images"] == 8 and "decode_speed" not in run
+    report = (out / "report.md").read_text()
+    assert "zero-shot top-1 / top-5" in report and "embedding cosine to the original" in report
+    assert (out / "report.html").is_file()
+    assert main(["sweep", "--model", str(folder), "--out", str(tmp_path / "bad"), "--budgets", "1",
+                 "--calib", str(images), "--tasks", "piqa", "--images", str(images)]) == 2
+    assert "its sweep is measured on images" in capsys.readouterr().err

@@ -365,6 +365,8 @@ def _add_sweep(sub) -> None:
                    help="perplexity text: PATH, or PATH[FIRST:LAST] for some of its windows (a .jsonl: documents)")
     p.add_argument("--held-out", metavar="TEXTS",
                    help="more perplexity texts, comma-separated, e.g. 'c4_demo.jsonl[200:],lambada_test.jsonl'")
+    p.add_argument("--images", metavar="FOLDER", help="image encoders, instead of text: held-out images (embedding "
+                                                      "agreement; k-NN and CLIP/SigLIP zero-shot from class subfolders)")
     p.add_argument("--ppl-windows", type=int, default=40, help="windows of 512 tokens per text, at most")
     p.add_argument("--calib", help="calibration source (default: self-generated)")
     p.add_argument("--num-seqs", type=int, default=64)
@@ -799,7 +801,7 @@ def cmd_sweep(args) -> int:
         "model": args.model, "methods": [m for m in args.methods.split(",") if m], **axis,
         "tasks": [t for t in args.tasks.split(",") if t], "limit": args.limit, "fewshot": args.fewshot,
         "ppl_text": args.ppl, "ppl_windows": args.ppl_windows, "placement_blocks": args.placement,
-        "held_out": [text for text in (args.held_out or "").split(",") if text],
+        "held_out": [text for text in (args.held_out or "").split(",") if text], "images": args.images,
         "analysis": not args.no_analysis, "country_iso_code": args.country, "save_models": args.save_models,
         "eval_dtype": args.eval_dtype, "execution": _execution_from_args(args).model_dump(),
         "calibration": {"source": args.calib, "num_sequences": args.num_seqs, "sequence_length": args.seq_len,
@@ -814,26 +816,33 @@ def cmd_sweep(args) -> int:
 
     report = render_report(args.out)
     original = result["original"]
-    rows = [("original", f"ppl {original.get('perplexity', float('nan')):.2f}, "
-                         f"{original['parameters']['parameters'] / 1e6:.1f}M parameters")]
+    encoder = result.get("kind") == "encoder"
+
+    def quality(record: dict) -> str:
+        if "embedding_agreement" in record:
+            return f"embedding cosine {record['embedding_agreement']['cosine_mean']:.4f}"
+        return "images" if "images" in record else f"ppl {record.get('perplexity', float('nan')):.2f}"
+
+    rows = [("original", f"{quality(original)}, {original['parameters']['parameters'] / 1e6:.1f}M parameters")]
     checkpoint = None
     for run in result["runs"]:
         rp = run.get("relative_performance", {}).get("average")
         removed = f"blocks {span_label(run['removed_blocks'])} removed, " if run.get("removed_blocks") else ""
         rows.append((f"{run['method']} {run['budget']}",
-                     removed + f"ppl {run.get('perplexity', float('nan')):.2f}, "
+                     removed + f"{quality(run)}, "
                      f"{run['parameters']['parameters'] / 1e6:.1f}M parameters"
                      + (f", RP {rp['rp']:.3f} ± {rp['stderr']:.3f}" if rp else "")
-                     + f", prefill {speedup_label(run['speed'])}"
+                     + f", {'forward' if encoder else 'prefill'} {speedup_label(run['speed'])}"
                      + (f", decode {speedup_label(run['decode_speed'])}" if "decode_speed" in run else "")))
         if run.get("checkpoint"):
             checkpoint = f"{args.out}/{run['checkpoint']}"
-            rows.append(("  saved", f"{checkpoint} (loads with AutoModelForCausalLM.from_pretrained)"))
+            rows.append(("  saved", f"{checkpoint} (loads with {'AutoModel' if encoder else 'AutoModelForCausalLM'}"
+                                    ".from_pretrained)"))
     rows += [(f"{run['method']} {run['budget']}", f"skipped: {run['reason']}") for run in result.get("skipped", [])]
     rows.append(("time", f"{result['seconds'] / 60:.1f} min"))
     rows.append(("report", f"{report['html']} (and {report['markdown'].name}; figures and every number in "
                            f"{args.out}/sweep.json)"))
-    if checkpoint is not None:
+    if checkpoint is not None and not encoder:
         rows.append(("next", f"blockfold export --model {checkpoint} --out {checkpoint}.gguf --quant q8_0   (llama.cpp)"))
     _print_table(rows, f"blockfold sweep: {args.model}")
     return 0

@@ -74,6 +74,9 @@ class SweepConfig(Strict):
     eval_dtype: Literal["float32", "bfloat16"] = "float32"
     # where and in what precision the compressions run (the models stay resident for evaluation)
     execution: Execution = Field(default_factory=Execution)
+    #: an image encoder's held-out images, in place of text: each run's embedding agreement with the original,
+    #: k-NN accuracy where they sit in class subfolders and, for CLIP / SigLIP, zero-shot accuracy
+    images: str | None = None
 
     @model_validator(mode="after")
     def _known_methods(self):
@@ -158,6 +161,39 @@ def _measure_model(model, tokenizer, config: SweepConfig, texts: dict, fingerpri
         accuracies = [r["metrics"]["acc"] for r in result["tasks"].values() if "acc" in r["metrics"]]
         result["average_accuracy"] = float(np.mean(accuracies)) if accuracies else None
     return result
+
+
+def _measure_encoder(handle, config: SweepConfig, reference: torch.Tensor | None = None) -> tuple[dict, torch.Tensor]:
+    """Size and what an image encoder's embeddings keep on ``config.images``: agreement with ``reference``
+    (the original's embeddings), k-NN accuracy, and zero-shot accuracy for a dual encoder; and its embeddings."""
+    from blockfold.eval.vision import embedding_agreement, image_embeddings, knn_accuracy, zero_shot_accuracy
+
+    embeddings, labels = image_embeddings(handle, config.images)
+    result = {"parameters": parameter_counts(handle.model), "images": {"count": len(embeddings)}}
+    if labels is not None:
+        result["images"]["knn_accuracy"] = knn_accuracy(embeddings, labels)
+        if handle.container is not None and hasattr(handle.container, "get_text_features"):
+            result["zero_shot"] = zero_shot_accuracy(handle, config.images)
+    if reference is not None:
+        result["embedding_agreement"] = embedding_agreement(embeddings, reference)
+    return result, embeddings
+
+
+def _image_speedup(original, compressed, config: SweepConfig, count: int = 8) -> dict:
+    """One forward of ``count`` held-out images, where an encoder's cut blocks save their share."""
+    from blockfold.data.images import image_files, pixel_batches
+
+    batches, _ = pixel_batches(image_files(config.images)[:count], original.tokenizer, original.adapter,
+                               original.config, count)
+    pixels = batches[0].pixel_values.to(original.device, original.dtype)
+
+    def timed(model) -> float:
+        with torch.no_grad():
+            started = time.perf_counter()
+            model(pixel_values=pixels)
+            return time.perf_counter() - started
+
+    return {"images": len(pixels), **_speedup(original.model, compressed.model, timed, len(pixels))}
 
 
 def _speedup(original, compressed, timed, tokens: int, repeats: int = 5) -> dict:
@@ -255,10 +291,18 @@ def _run_into(config: SweepConfig, stage: Path, progress: SweepProgress) -> dict
         raise BlockfoldError(f"unknown methods {unknown}: use {', '.join(sorted(METHODS))}")
     if config.tasks:
         task_configs(config.tasks)  # fail on unknown tasks before hours of work
-    read = [read_eval_text(spec) for spec in ([config.ppl_text] if config.ppl_text else []) + config.held_out]
     execution = config.execution
     handle = load_model(config.model, dtype=execution.dtype, device=execution.device, check=get_adapter)
     model, tokenizer = handle.model, handle.tokenizer
+    encoder = handle.adapter.is_vision
+    if encoder and (config.images is None or config.tasks or config.held_out):
+        raise BlockfoldError(f"{config.model} is an image encoder: its sweep is measured on images (--images FOLDER; "
+                             "class subfolders give k-NN and, for CLIP / SigLIP, zero-shot accuracy), not on text or "
+                             "tasks")
+    if config.images is not None and not encoder:
+        raise BlockfoldError(f"{config.model} is a language model: --images is for image encoders")
+    read = [] if encoder else [read_eval_text(spec) for spec in ([config.ppl_text] if config.ppl_text else [])
+                                                                 + config.held_out]
     texts = {text.name: tokenize_windows(text, tokenizer, 512, config.ppl_windows) for text in read}
     calibration = build_calibration(config.calibration, tokenizer, model)
     task_cache = cache_dir() / "tasks"
@@ -268,17 +312,23 @@ def _run_into(config: SweepConfig, stage: Path, progress: SweepProgress) -> dict
         "format": f"blockfold-sweep/{SWEEP_VERSION}", "config": config.model_dump(mode="json"),
         "environment": environment(), "processes": distributed.current().world_size,
         "source_model": {"spec": config.model, "fingerprint": handle.fingerprint()},
-        "calibration": calibration.description, "runs": [], "skipped": [],
+        "calibration": calibration.description, "runs": [], "skipped": [], "kind": "encoder" if encoder else "decoder",
     }
     size = handle.adapter.model_size(handle.model)
     progress.claim({"config": result["config"], "model": result["source_model"]["fingerprint"],
                     "calibration": calibration_digest(calibration.batches)})
-    original_measured = in_eval_dtype(model, config.eval_dtype, copy_first=True)
+    original_measured = model if encoder else in_eval_dtype(model, config.eval_dtype, copy_first=True)
     original = progress.get("original")
+    measured, reference = {}, None
+    if encoder or original is None:  # an encoder's embeddings, which every run is compared with, again on a resume
+        with emissions(measured, "eval_kg_co2eq", config.country_iso_code):
+            if encoder:
+                found, reference = _measure_encoder(handle, config)
+                measured.update(found)
+            else:
+                measured.update(_measure_model(original_measured, tokenizer, config, texts, task_cache))
     if original is None:
-        original = {}
-        with emissions(original, "eval_kg_co2eq", config.country_iso_code):
-            original.update(_measure_model(original_measured, tokenizer, config, texts, task_cache))
+        original = measured
         progress.put("original", original)
     result["original"] = original
 
@@ -317,19 +367,27 @@ def _run_into(config: SweepConfig, stage: Path, progress: SweepProgress) -> dict
             manifest["source_model"] = result["source_model"]
             compressed.save(progress.models() / name, save_dtype=execution.save_dtype, overwrite=True)
             run["checkpoint"] = f"models/{name}"
-        candidate = in_eval_dtype(compressed.model, config.eval_dtype, copy_first=False)
-        with emissions(run, "eval_kg_co2eq", config.country_iso_code):
-            run.update(_measure_model(candidate, tokenizer, config, texts, task_cache))
-        if config.tasks:
-            run["relative_performance"] = relative_performance(run["tasks"], original["tasks"])
-        run["speed"] = _prefill_speedup(original_measured, candidate, config.speed_length)
-        run["decode_speed"] = _decode_speedup(original_measured, candidate, config.decode_tokens)
+        if encoder:
+            with emissions(run, "eval_kg_co2eq", config.country_iso_code):
+                run.update(_measure_encoder(compressed.handle, config, reference)[0])
+            run["speed"] = _image_speedup(handle, compressed.handle, config)
+        else:
+            candidate = in_eval_dtype(compressed.model, config.eval_dtype, copy_first=False)
+            with emissions(run, "eval_kg_co2eq", config.country_iso_code):
+                run.update(_measure_model(candidate, tokenizer, config, texts, task_cache))
+            if config.tasks:
+                run["relative_performance"] = relative_performance(run["tasks"], original["tasks"])
+            run["speed"] = _prefill_speedup(original_measured, candidate, config.speed_length)
+            run["decode_speed"] = _decode_speedup(original_measured, candidate, config.decode_tokens)
+            del candidate
         result["runs"].append(run)
         progress.put(f"runs/{name}", run)
         if distributed.current().is_main:
-                print(f"sweep: {spec} {budget}: ppl {run.get('perplexity', float('nan')):.2f}"
+            quality = (f"embedding cosine {run['embedding_agreement']['cosine_mean']:.4f}" if encoder
+                       else f"ppl {run.get('perplexity', float('nan')):.2f}")
+            print(f"sweep: {spec} {budget}: {quality}"
                   + (f", RP {run['relative_performance']['average']['rp']:.3f}" if config.tasks else ""), flush=True)
-        del candidate, compressed
+        del compressed
 
     lengths = _span_lengths(config.sparsities, size) if config.sparsities else config.budgets
     to_run = [spec for spec in config.methods for budget in config.axis()
@@ -353,7 +411,9 @@ def _run_into(config: SweepConfig, stage: Path, progress: SweepProgress) -> dict
         result["placement"] = placement_study(handle, calibration, config.placement_blocks,
                                               next(iter(texts.values()), None), config.eval_dtype,
                                               execution, cache)
-    if config.analysis:
+    if config.analysis and encoder:
+        logger.info("sweep: the analysis (span heatmap, layer similarity) is for language models; skipped")
+    elif config.analysis:
         from blockfold.analyze import analyze_into
 
         (stage / "analysis").mkdir()

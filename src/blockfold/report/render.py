@@ -65,7 +65,40 @@ def _perplexities(record: dict, texts: list[str]) -> list[str]:
     return [_fmt(record.get("perplexities", {}).get(text)) for text in texts]
 
 
+def _encoder_columns(record: dict, zero_shot: bool) -> list[str]:
+    """An image encoder's measures: embedding agreement with the original, k-NN and zero-shot accuracy."""
+    agreement = record.get("embedding_agreement")
+    cells = [f"{agreement['cosine_mean']:.4f} / {agreement['cosine_min']:.4f}" if agreement else "1 / 1",
+             _fmt(record.get("images", {}).get("knn_accuracy"), ".3f")]
+    if zero_shot:
+        found = record.get("zero_shot") or {}
+        cells.append(f"{_fmt(found.get('top1'), '.3f')} / {_fmt(found.get('top5'), '.3f')}")
+    return cells
+
+
+def _encoder_table(sweep: dict) -> tuple[str, list[str], list[list[str]]]:
+    original = sweep["original"]
+    zero_shot = "zero_shot" in original
+    head = (["method", "budget", "removed", "parameters (M)", "sparsity: blocks / model",
+             "embedding cosine to the original: mean / worst image", "5-NN accuracy"]
+            + (["zero-shot top-1 / top-5"] if zero_shot else [])
+            + ["forward speed-up (range of 5 pairs)", "compress time (s) / peak memory (GiB)", "CO₂eq compress / eval (g)"])
+    rows = [["original", "-", "-", _fmt(original["parameters"]["parameters"] / 1e6, ".1f"), "-"]
+            + _encoder_columns(original, zero_shot)
+            + ["1", "-", f"- / {_fmt(original.get('eval_kg_co2eq', 0) * 1e3, '.3f')}"]]
+    for run in sweep["runs"]:
+        peak = run.get("compress_peak_memory_bytes")
+        rows.append([run["method"], _budget_label(run), _removed(run), _fmt(run["parameters"]["parameters"] / 1e6, ".1f"),
+                     _sparsity(run)] + _encoder_columns(run, zero_shot)
+                    + [speedup_label(run["speed"]),
+                       f"{_fmt(run.get('compress_seconds'), '.0f')} / {_fmt(peak / 2**30 if peak else None, '.2f')}",
+                       f"{_fmt(run['compress_kg_co2eq'] * 1e3, '.3f')} / {_fmt(run['eval_kg_co2eq'] * 1e3, '.3f')}"])
+    return "Results", head, rows
+
+
 def _tables(sweep: dict) -> list[tuple[str, list[str], list[list[str]]]]:
+    if sweep.get("kind") == "encoder":
+        return [_encoder_table(sweep), *_environment_tables(sweep)]
     tasks = sweep["config"]["tasks"]
     original = sweep["original"]
     texts = list(original.get("perplexities", {}))
@@ -109,9 +142,22 @@ def _tables(sweep: dict) -> list[tuple[str, list[str], list[list[str]]]]:
                        [[c, str(v["choice"]), _fmt(v["choice_perplexity"]), _fmt(v["spearman_with_log_ppl"], ".3f")]
                         for c, v in placement["criteria"].items()]
                        + [["(best start)", str(placement["best"]["start"]), _fmt(placement["best"]["perplexity"]), "-"]]))
+    return tables + _environment_tables(sweep)
+
+
+def _environment_tables(sweep: dict) -> list[tuple[str, list[str], list[list[str]]]]:
     env = sweep["environment"]
     calibration = sweep["calibration"]
     config = sweep["config"]
+    texts = list(sweep["original"].get("perplexities", {}))
+    tables = []
+    if sweep.get("skipped") and sweep.get("kind") == "encoder":
+        tables.append(("Runs skipped: a budget the method cannot reach on this model", ["method", "budget", "why"],
+                       [[r["method"], str(r["budget"]), r["reason"]] for r in sweep["skipped"]]))
+    measured = (["images", f"{config.get('images')}: {sweep['original']['images']['count']} held out"]
+                if sweep.get("kind") == "encoder" else
+                ["perplexity", f"{', '.join(texts) or config.get('ppl_text')}: at most {config.get('ppl_windows') or 'all'} "
+                               "windows of 512 tokens each"])
     tables.append(("Environment and data", ["item", "value"], [
         ["model", f"{config['model']} (fingerprint {sweep['source_model']['fingerprint']})"],
         ["hardware", f"{env.get('cpu')}" + (f" ({env['cpus']} logical CPUs)" if env.get("cpus") else "") + (f", {env['cuda']}" if env.get("cuda") else "") + f", {env.get('threads')} threads"],
@@ -120,8 +166,7 @@ def _tables(sweep: dict) -> list[tuple[str, list[str], list[list[str]]]]:
         ["calibration", f"{calibration.get('source')}: {calibration.get('sequences')} sequences, {calibration.get('tokens')} tokens "
                         f"(sha256 {calibration.get('sha256_16')})"],
         ["precision", f"compressed in float32 (statistics in float64), measured in {config.get('eval_dtype', 'float32')}"],
-        ["perplexity", f"{', '.join(texts) or config.get('ppl_text')}: at most {config.get('ppl_windows') or 'all'} "
-                       "windows of 512 tokens each"],
+        measured,
         ["peak memory", "during each compress: the accelerator's allocator peak, or on a CPU the whole sweep "
                         "process's peak resident set (the original and its measured copy included)"],
         ["tasks", f"{', '.join(config['tasks']) or '-'}: lm-evaluation-harness, {config['fewshot']}-shot, limit {config['limit']}, "
@@ -135,6 +180,11 @@ def _tables(sweep: dict) -> list[tuple[str, list[str], list[list[str]]]]:
     return tables
 
 
+def _embedding_cosine(record: dict) -> float | None:
+    agreement = record.get("embedding_agreement")
+    return agreement["cosine_mean"] if agreement else None
+
+
 def _figures(sweep: dict, folder: Path) -> list[tuple[str, Path]]:
     folder.mkdir(parents=True, exist_ok=True)
     methods = sorted({run["method"] for run in sweep["runs"]})
@@ -145,17 +195,21 @@ def _figures(sweep: dict, folder: Path) -> list[tuple[str, Path]]:
     along_sparsity = bool(sweep["config"].get("sparsities"))
     x_label = ("share of the blocks' parameters removed (measured)" if along_sparsity
                else "budget (blocks or attention layers)")
+    encoder = sweep.get("kind") == "encoder"
+    quality, name, original = ((_embedding_cosine, "embedding cosine to the original", 1.0) if encoder else
+                               (lambda record: record.get("perplexity"), "perplexity",
+                                sweep["original"].get("perplexity") or float("nan")))
     for method in methods:
         runs = sorted((r for r in sweep["runs"] if r["method"] == method), key=lambda r: r["budget"])
         budgets = [r["sparsity"]["blocks"] if along_sparsity else r["budget"] for r in runs]
-        axes[0][0].plot(budgets, [r.get("perplexity") for r in runs], marker="o", label=method)
+        axes[0][0].plot(budgets, [quality(r) for r in runs], marker="o", label=method)
         if has_tasks:
             axes[0][1].plot(budgets, [r["relative_performance"]["average"]["rp"] for r in runs], marker="o", label=method)
-    axes[0][0].axhline(sweep["original"].get("perplexity") or float("nan"), color="gray", linestyle="--", label="original")
-    axes[0][0].set_yscale("log")
+    axes[0][0].axhline(original, color="gray", linestyle="--", label="original")
+    axes[0][0].set_yscale("linear" if encoder else "log")
     axes[0][0].set_xlabel(x_label)
-    axes[0][0].set_ylabel("perplexity")
-    axes[0][0].set_title("perplexity vs compression")
+    axes[0][0].set_ylabel(name)
+    axes[0][0].set_title(f"{name} vs compression")
     if has_tasks:
         axes[0][1].axhline(1.0, color="gray", linestyle="--", label="original")
         axes[0][1].set_xlabel(x_label)
@@ -170,17 +224,16 @@ def _figures(sweep: dict, folder: Path) -> list[tuple[str, Path]]:
     figure, axis = plt.subplots(figsize=(5.2, 3.8))
     for method in methods:
         runs = [r for r in sweep["runs"] if r["method"] == method]
-        axis.plot([r["parameters"]["parameters"] / 1e6 for r in runs], [r.get("perplexity") for r in runs], "o", label=method)
-    axis.plot([sweep["original"]["parameters"]["parameters"] / 1e6], [sweep["original"].get("perplexity")], "k*", markersize=10,
-              label="original")
-    axis.set_yscale("log")
+        axis.plot([r["parameters"]["parameters"] / 1e6 for r in runs], [quality(r) for r in runs], "o", label=method)
+    axis.plot([sweep["original"]["parameters"]["parameters"] / 1e6], [original], "k*", markersize=10, label="original")
+    axis.set_yscale("linear" if encoder else "log")
     axis.set_xlabel("parameters (M)")
-    axis.set_ylabel("perplexity")
-    axis.set_title("perplexity vs parameters")
+    axis.set_ylabel(name)
+    axis.set_title(f"{name} vs parameters")
     axis.grid(alpha=0.3)
     axis.legend(fontsize=8)
     save(figure, folder / "ppl_vs_parameters.png", dpi=100)
-    figures.append(("Perplexity against parameter count", folder / "ppl_vs_parameters.png"))
+    figures.append((f"{name.capitalize()} against parameter count", folder / "ppl_vs_parameters.png"))
 
     placement = sweep.get("placement")
     if placement:
