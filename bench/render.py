@@ -865,8 +865,9 @@ def render_vision(results: dict) -> str:
     """Issue #15 item 3: each method on an image encoder, its embeddings' agreement with the original's
     and k-NN accuracy on held-out images."""
     images = results["images"]
-    lines = [f"{results['model']}; calibration: the first {images['calibration']} of {images['source']}, evaluation: the "
-             f"next {images['held_out']} (held out).", "",
+    source = Path(images["source"]).name if "/" in images["source"] else images["source"]
+    lines = [f"{results['model']}; calibration: {images['calibration']} images of {source}, evaluation: "
+             f"{images['held_out']} others (held out).", "",
              "| method | blocks removed | removed blocks | cosine to the original (mean) | worst image | 5-NN accuracy "
              "| parameters |",
              "|---|---|---|---|---|---|---|",
@@ -878,6 +879,26 @@ def render_vision(results: dict) -> str:
                      f"{agreement['cosine_mean']:.6f} | {agreement['cosine_min']:.6f} | {row['knn_accuracy']:.3f} | "
                      f"{row['parameters'] / 1e6:.1f} M |")
     return "\n".join([*lines, "", *_footer([results])])
+
+
+def render_serving_moe(parts: list[dict]) -> str:
+    """Issue #45 item 3: each engine's greedy tokens against transformers' for compressed mixtures of experts
+    (a later results file's rows replace an earlier one's for the same family, variant and engine)."""
+    rows = {}
+    for results in parts:
+        for row in results["rows"]:
+            rows[(row["family"], row["variant"], row["engine"])] = row
+    lines = ["| family | model | engine | prompts with transformers' greedy tokens | where one parts: transformers' "
+             "top-2 logit gap | tokenization agrees | distinct tokens generated |", "|---|---|---|---|---|---|---|"]
+    for (family, variant, engine), row in rows.items():
+        if "error" in row:
+            lines.append(f"| {family} | {variant} | {engine} | error: {row['error']} | - | - | - |")
+            continue
+        gap = row.get("smallest_gap_where_differs")
+        lines.append(f"| {family} | {variant} | {engine} | {row['matching']}/{row['prompts']} | "
+                     f"{'-' if gap is None else f'{gap:.1e}'} | {row['tokenization']}/{row['prompts']} | "
+                     f"{row['distinct_tokens']} |")
+    return "\n".join([*lines, "", *_footer(parts)])
 
 
 def render_selection(parts: list[dict]) -> str:
@@ -968,6 +989,8 @@ SECTIONS: dict[str, tuple[str | tuple[str, ...], Callable]] = {
                   "new_methods_accuracy_gemma_4_part3.json", "new_methods_accuracy_gemma_4_part4.json"),
                  render_accuracy),
     "vision": ("vision.json", render_vision),
+    "vision-dinov2": ("vision_dinov2.json", render_vision),
+    "serving-moe": (("serving_moe.json", "serving_moe_olmoe.json"), render_serving_moe),
     "refit": (("new_methods_part2.json", "refit_study_part1.json", "refit_study_part2.json", "refit_study_part3.json",
                "refit_study_part4.json", "refit_validation_4.json", "refit_validation_12.json", "refit_validation_12_plain.json",
                "refit_scale_8.json", "refit_scale_4.json", "refit_scale_12.json", "refit_all_8.json", "refit_all_4.json",
