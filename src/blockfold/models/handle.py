@@ -146,7 +146,8 @@ class ModelHandle:
     store: WeightStore
     spec: str = ""
     path: Path | None = None  # the local folder the weights came from
-    #: the multimodal model ``model`` is the language model of (``models/multimodal.py``): what is saved
+    #: the checkpoint of two networks ``model`` is one of (a multimodal model's language model, a dual encoder's
+    #: vision tower; ``models/multimodal.py``): what is saved
     container: PreTrainedModel | None = None
 
     def __post_init__(self) -> None:
@@ -155,7 +156,7 @@ class ModelHandle:
 
     @property
     def saved_model(self) -> PreTrainedModel:
-        """The model a checkpoint is written from: the multimodal wrapper around the decoder, if any."""
+        """The model a checkpoint is written from: the wrapper around the compressed network, if any."""
         return self.container if self.container is not None else self.model
 
     # -- what it is -------------------------------------------------------------------------
