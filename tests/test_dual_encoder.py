@@ -138,3 +138,9 @@ def test_sweep_of_a_dual_encoder_measures_images_and_reports_them(capsys, tmp_pa
     assert main(["sweep", "--model", str(folder), "--out", str(tmp_path / "bad"), "--budgets", "1",
                  "--calib", str(images), "--tasks", "piqa", "--images", str(images)]) == 2
     assert "its sweep is measured on images" in capsys.readouterr().err
+
+
+def test_gguf_export_of_an_image_encoder_says_how_to_serve_it(capsys, tmp_path):
+    folder = dual_encoder_folder("clip", tmp_path)
+    assert main(["export", "--model", str(folder), "--out", str(tmp_path / "clip.gguf")]) == 2
+    assert "is an image encoder ('clip')" in capsys.readouterr().err and not (tmp_path / "clip.gguf").exists()

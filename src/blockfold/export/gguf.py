@@ -45,6 +45,7 @@ from blockfold.export.gguf_metadata import config_metadata, llama3_rope_factors,
 from blockfold.export.kquants import K_FILE_TYPES, k_quant_type, quantize_k
 from blockfold.jsonfile import staged_file
 from blockfold.models.checkpoint import CheckpointReader
+from blockfold.models.multimodal import is_vision
 from blockfold.progress import bar
 from blockfold.settings import methods_where
 from blockfold.surgery.card import source_license
@@ -236,6 +237,9 @@ def _plan(model: Path, quant: str, tokenizer_pre: str | None = None) -> _Plan:
         raise BlockfoldError(
             f"{model} {what}: serve it with transformers, or export the output of a method that writes a standard "
             f"checkpoint ({', '.join(methods_where(lambda m: m.writes_standard_checkpoint))})")
+    if is_vision(config):
+        raise BlockfoldError(f"{model} is an image encoder ({model_type!r}): llama.cpp's GGUF files hold language "
+                             "models; serve it with transformers (AutoModel.from_pretrained loads it as it is)")
     if getattr(config, "text_config", None) is not None and model_type not in ARCHITECTURES:
         raise BlockfoldError(f"{model} is a multimodal checkpoint ({model_type!r}): llama.cpp takes its language model "
                              "and its vision projector as two files (a GGUF and an mmproj), which blockfold does not "
