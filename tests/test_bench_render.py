@@ -303,7 +303,10 @@ def test_vision_section_gives_each_methods_agreement_and_knn_accuracy(render):
     text = render.render_vision(results)
     assert "| original | - | - | 1 | 1 | 0.500 | 87.8 M |" in text
     assert "| uidl | 2 | 6-7 | 0.969918 | 0.966954 | 0.493 | 73.5 M |" in text
-    assert "the first 128 of digits" in text and "abcdef123456" in text
+    assert "calibration: 128 images of digits, evaluation: 300 others (held out)" in text and "abcdef123456" in text
+    folder = render.render_vision({**results, "images": {"source": "/tmp/x/cifar10_folder", "calibration": 130,
+                                                         "held_out": 400}})
+    assert "130 images of cifar10_folder" in folder and "/tmp/x" not in folder  # a folder by its name, not the path
 
 
 def test_gemma_perplexities_measured_on_windows_without_bos_carry_a_note(render):
