@@ -102,15 +102,18 @@ def test_zero_shot_on_an_encoder_without_a_text_tower_says_what_to_use(capsys, t
     assert "--zero-shot is for image-text dual encoders" in capsys.readouterr().err
 
 
-def test_the_dual_encoders_pooled_tower_output_is_what_get_image_features_projects(tmp_path):
-    """The view blockfold compresses is the wrapper's own tower: its pooled output, projected, is CLIP's embedding."""
+@pytest.mark.parametrize("kind", sorted(DUAL_ENCODERS))
+def test_the_dual_encoders_pooled_tower_output_is_what_get_image_features_projects(kind):
+    """The view blockfold compresses is the wrapper's own tower, and zero-shot derives the image embedding
+    from its pooled output (projected by CLIP, SigLIP's head as it is): get_image_features' own value."""
     from blockfold.models.multimodal import compressed_view
 
-    model = DUAL_ENCODERS["clip"]().eval()
+    model = DUAL_ENCODERS[kind]().eval()
     view = compressed_view(model)
+    projection = getattr(model, "visual_projection", torch.nn.Identity())
     pixels = torch.randn(2, 3, 28, 28)
     with torch.no_grad():
-        assert torch.allclose(model.visual_projection(view(pixel_values=pixels).pooler_output),
+        assert torch.allclose(projection(view(pixel_values=pixels).pooler_output),
                               model.get_image_features(pixel_values=pixels).pooler_output)
     assert view.config is model.config.vision_config and isinstance(model, type(AutoModel.from_config(model.config)))
 

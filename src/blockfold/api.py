@@ -352,7 +352,8 @@ def evaluate(
         if zero_shot is not None:
             from blockfold.eval.vision import zero_shot_accuracy
 
-            results[role]["zero_shot"] = zero_shot_accuracy(loaded, zero_shot, batch_size)
+            embedded = (embeddings[role], labels) if images is not None and Path(images) == Path(zero_shot) else None
+            results[role]["zero_shot"] = zero_shot_accuracy(loaded, zero_shot, batch_size, embedded=embedded)
         if text is not None:
             windows = tokenize_windows(text, loaded.tokenizer, sequence_length, max_windows)
             results[role].update(perplexity(loaded, windows, description=f"perplexity ({role})"))

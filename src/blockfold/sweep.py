@@ -173,7 +173,7 @@ def _measure_encoder(handle, config: SweepConfig, reference: torch.Tensor | None
     if labels is not None:
         result["images"]["knn_accuracy"] = knn_accuracy(embeddings, labels)
         if handle.container is not None and hasattr(handle.container, "get_text_features"):
-            result["zero_shot"] = zero_shot_accuracy(handle, config.images)
+            result["zero_shot"] = zero_shot_accuracy(handle, config.images, embedded=(embeddings, labels))
     if reference is not None:
         result["embedding_agreement"] = embedding_agreement(embeddings, reference)
     return result, embeddings

@@ -66,10 +66,12 @@ def embedding_agreement(model: torch.Tensor, original: torch.Tensor) -> dict:
 
 @torch.no_grad()
 def zero_shot_accuracy(handle: ModelHandle, folder: str | Path, batch_size: int = 8,
-                       template: str = ZERO_SHOT_TEMPLATE) -> dict:
+                       template: str = ZERO_SHOT_TEMPLATE,
+                       embedded: tuple[torch.Tensor, list[str] | None] | None = None) -> dict:
     """Top-1 and top-5 accuracy of a dual encoder picking each image's class among all classes by the
     cosine of its image embedding with the embedding of the class's prompt. Classes are the image's
-    first folder under ``folder``, named by ``class_names.json`` there or by the folder (``_`` as spaces)."""
+    first folder under ``folder``, named by ``class_names.json`` there or by the folder (``_`` as spaces).
+    ``embedded``: what ``image_embeddings`` gave for ``folder``, where it has already run."""
     import json
 
     from transformers import AutoTokenizer
@@ -80,8 +82,7 @@ def zero_shot_accuracy(handle: ModelHandle, folder: str | Path, batch_size: int 
                              "encoders (CLIP, SigLIP); use --images for k-NN accuracy")
     if not handle.resident:
         raise BlockfoldError("--zero-shot runs the whole model: drop --pipeline sequential")
-    files = image_files(folder)
-    labels = image_labels(files, folder)
+    pooled, labels = embedded if embedded is not None else image_embeddings(handle, folder, batch_size)
     if labels is None:
         raise BlockfoldError(f"{folder}: --zero-shot needs the images in two or more class subfolders")
     names_file = Path(folder).expanduser() / CLASS_NAMES_FILE
@@ -92,17 +93,19 @@ def zero_shot_accuracy(handle: ModelHandle, folder: str | Path, batch_size: int 
     padding = "max_length" if container.config.model_type == "siglip" else True  # SigLIP was trained padded to 64
     text = tokenizer(prompts, padding=padding, return_tensors="pt").to(handle.device)
     text_embeddings = F.normalize(_features(container.get_text_features(**text)).float(), dim=-1)
-    batches, _ = pixel_batches(files, handle.tokenizer, handle.adapter, handle.config, batch_size)
-    scores = torch.cat([F.normalize(_features(container.get_image_features(
-        pixel_values=batch.pixel_values.to(handle.device, handle.dtype))).float(), dim=-1) @ text_embeddings.T
-        for batch in batches]).cpu()
+    # the image embedding get_image_features gives, from the tower's pooled output: CLIP projects it, SigLIP's
+    # attention-pooling head already is the embedding
+    projection = getattr(container, "visual_projection", None)
+    images = pooled.to(handle.device, handle.dtype)
+    images = F.normalize((projection(images) if projection is not None else images).float(), dim=-1)
+    scores = (images @ text_embeddings.T).cpu()
     truth = torch.tensor([classes.index(label) for label in labels])
     ranked = scores.topk(min(5, len(classes)), dim=-1).indices
     return {"top1": float((ranked[:, 0] == truth).double().mean()),
             "top5": float((ranked == truth[:, None]).any(-1).double().mean()),
-            "classes": len(classes), "images": len(files), "template": template}
+            "classes": len(classes), "images": len(labels), "template": template}
 
 
 def _features(output) -> torch.Tensor:
-    """The projected embeddings ``get_*_features`` return (a tensor, or an output holding them as its pooled output)."""
+    """The projected embeddings ``get_text_features`` returns (a tensor, or an output holding them as its pooled output)."""
     return output if isinstance(output, torch.Tensor) else output.pooler_output
