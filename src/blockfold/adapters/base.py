@@ -358,6 +358,13 @@ class MixtureOfExpertsAdapter(DecoderAdapter):
                                  "this operation does not support such blocks yet")
         return super().down_proj(layer)
 
+    def dense_layers(self, config) -> list[int]:
+        """The blocks the config keeps as a plain MLP, read from the config alone (Qwen-MoE's
+        ``mlp_only_layers`` and every block not on its ``decoder_sparse_step``; none for the others)."""
+        only = set(getattr(config, "mlp_only_layers", None) or ())
+        step = getattr(config, "decoder_sparse_step", 1) or 1
+        return [index for index in range(config.num_hidden_layers) if index in only or (index + 1) % step]
+
     def renumber_config(self, config, keep: list[int], sparse: list[bool]) -> None:
         """Qwen-MoE picks dense layers by ``mlp_only_layers`` and every ``decoder_sparse_step``-th
         layer: the kept layers' kinds are restated as an explicit list with step 1."""

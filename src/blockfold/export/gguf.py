@@ -39,6 +39,7 @@ from gguf.quants import quant_shape_to_byte_shape, quantize
 from gguf.constants import GGML_QUANT_SIZES
 from transformers import AutoConfig
 
+from blockfold.adapters import get_adapter
 from blockfold.errors import BlockfoldError
 from blockfold.export.choices import QUANT_TYPE_NAMES, SOURCE
 from blockfold.export.gguf_metadata import config_metadata, llama3_rope_factors, tokenizer_metadata
@@ -173,7 +174,7 @@ def _refuse_experts_llama_cpp_runs_otherwise(config, architecture: Architecture,
     if architecture.renormalizes_experts is None:
         return
     name = MODEL_ARCH_NAMES[architecture.arch]
-    dense = _dense_layers(config)
+    dense = get_adapter(config).dense_layers(config)
     if dense:
         raise BlockfoldError(f"{model}: blocks {', '.join(map(str, dense))} are dense in a mixture of experts, and "
                              f"llama.cpp's {name} graph runs experts in every block; serve it with transformers or vLLM")
@@ -193,13 +194,6 @@ def _refuse_experts_llama_cpp_runs_otherwise(config, architecture: Architecture,
     if quant in K_FILE_TYPES and experts == 8:
         raise BlockfoldError(f"--quant {quant}: llama-quantize gives 8-expert models their own types, which "
                              "blockfold does not reproduce; export --quant f16 and run llama.cpp's llama-quantize")
-
-
-def _dense_layers(config) -> list[int]:
-    """The blocks of a Qwen mixture of experts that keep a plain MLP (``mlp_only_layers``, ``decoder_sparse_step``)."""
-    only = set(getattr(config, "mlp_only_layers", None) or ())
-    step = getattr(config, "decoder_sparse_step", 1) or 1
-    return [index for index in range(config.num_hidden_layers) if index in only or (index + 1) % step]
 
 
 @dataclass
