@@ -784,6 +784,7 @@ def cmd_analyze(args) -> int:
 def cmd_sweep(args) -> int:
     from blockfold import distributed
     from blockfold.report.render import speedup_label
+    from blockfold.eval.vision import KNN_NEIGHBOURS
     from blockfold.sweep import SweepConfig, run_sweep
 
     axis = {}
@@ -821,7 +822,10 @@ def cmd_sweep(args) -> int:
     def quality(record: dict) -> str:
         if "embedding_agreement" in record:
             return f"embedding cosine {record['embedding_agreement']['cosine_mean']:.4f}"
-        return "images" if "images" in record else f"ppl {record.get('perplexity', float('nan')):.2f}"
+        if "images" in record:  # the original encoder: what it is compared against
+            knn = record["images"].get("knn_accuracy")
+            return f"{record['images']['count']} images" + (f", {KNN_NEIGHBOURS}-NN {knn:.3f}" if knn is not None else "")
+        return f"ppl {record.get('perplexity', float('nan')):.2f}"
 
     rows = [("original", f"{quality(original)}, {original['parameters']['parameters'] / 1e6:.1f}M parameters")]
     checkpoint = None

@@ -56,8 +56,8 @@ def is_vision(config) -> bool:
 
 def compressed_view(model: PreTrainedModel) -> PreTrainedModel:
     """``model`` itself for a model of one network; for a multimodal wrapper, a causal LM of its text
-    config built around the wrapper's own decoder, LM head and text config; for a dual encoder, the
-    vision model of its vision config around the wrapper's own tower (no weight is copied)."""
+    config built around the wrapper's own decoder, LM head and text config; for a dual encoder, its own
+    vision tower (no weight is copied)."""
     if not is_multimodal(model.config):
         return model
     if is_dual_encoder(model.config):

@@ -24,7 +24,7 @@ from blockfold.errors import BlockfoldError
 from blockfold.jsonfile import staged_file
 from blockfold.models.checkpoint import CheckpointReader, has_safetensors
 from blockfold.models.handle import ModelHandle, WeightStore
-from blockfold.models.multimodal import auto_class, is_vision, compressed_view
+from blockfold.models.multimodal import auto_class, compressed_view, is_vision
 from blockfold.models.quantized import check_quantized_source
 from blockfold.surgery.linearize import register_linearized_classes
 
@@ -278,7 +278,8 @@ def load_model(
 
 
 def _handle(model: PreTrainedModel, *fields) -> ModelHandle:
-    """The handle of a loaded model; a multimodal one is compressed through its language model."""
+    """The handle of a loaded model; a checkpoint of two networks is compressed through its view of one
+    (``models/multimodal.py``)."""
     view = compressed_view(model)
     return ModelHandle(view, *fields, container=model if view is not model else None)
 
