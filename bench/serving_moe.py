@@ -57,8 +57,8 @@ def _tokenizer(texts: list[str]) -> PreTrainedTokenizerFast:
 
 
 def _calibration(tokenizer, texts: list[str], sequences: int = 16, length: int = 64) -> CalibrationSet:
-    ids = torch.tensor([tokenizer(text)["input_ids"][:length] for text in texts
-                        if len(tokenizer(text)["input_ids"]) >= length][:sequences])
+    encoded = (tokenizer(text)["input_ids"] for text in texts)
+    ids = torch.tensor([one[:length] for one in encoded if len(one) >= length][:sequences])
     batches = [Batch(ids[i:i + 4], torch.ones_like(ids[i:i + 4])) for i in range(0, len(ids), 4)]
     return CalibrationSet(batches, {"source": "lambada (prompts' file, documents 100-)", "sequences": len(ids)})
 
