@@ -136,6 +136,53 @@ def checkpoint_tensors(folder: Path) -> dict[str, torch.Tensor]:
     return {name: reader.get(name) for name in reader.names()}
 
 
+def quantize_w4a16(source: Path, out: Path, group_size: int = 16, symmetric: bool = True) -> Path:
+    """The float checkpoint ``source`` stored as compressed-tensors W4A16 in ``out``: every linear layer but
+    the LM head quantized to 4 bits per group by round to nearest, with compressed-tensors' own quantizer
+    and packer (what llm-compressor writes without calibration data); tokenizer files copied."""
+    import shutil
+
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from safetensors.torch import save_file
+
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=symmetric, strategy="group", group_size=group_size)
+    scheme = QuantizationScheme(targets=["Linear"], weights=args, format="pack-quantized")
+    packer = BaseCompressor.get_value_from_registry("pack-quantized")
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig
+
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(source))
+    linears = {name for name, module in model.named_modules()
+               if isinstance(module, torch.nn.Linear) and name != "lm_head"}
+    stored = {}
+    for name, tensor in checkpoint_tensors(source).items():
+        layer = name.removesuffix(".weight")
+        if layer not in linears or not name.endswith(".weight"):
+            stored[name] = tensor
+            continue
+        grouped = tensor.float().reshape(tensor.shape[0], -1, group_size)
+        scale, zero = calculate_qparams(grouped.amin(-1), grouped.amax(-1), args)
+        state = {"weight": tensor.float(), "weight_scale": scale.to(tensor.dtype)}
+        if not symmetric:
+            state["weight_zero_point"] = zero
+        stored.update({f"{layer}.{key}": value.contiguous() for key, value in packer.compress(state, scheme).items()})
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(stored, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((source / "config.json").read_text())
+    quantization = QuantizationConfig(config_groups={"group_0": scheme}, format="pack-quantized", ignore=["lm_head"],
+                                      quantization_status="compressed")
+    config["quantization_config"] = {**json.loads(quantization.model_dump_json()), "quant_method": "compressed-tensors",
+                                     "sparsity_config": {}, "transform_config": {}}
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    for path in source.iterdir():
+        if path.name.startswith(("tokenizer", "special_tokens", "generation_config", "chat_template")):
+            shutil.copyfile(path, out / path.name)
+    return out
+
+
 def silence_blocks(model, indices) -> None:
     """Zero the attention and MLP output projections of blocks ``indices``: each then passes its input
     through unchanged (a span any method should remove without a trace)."""

@@ -121,7 +121,9 @@ def open_model(spec: str, execution: Execution | None = None, check=None) -> Mod
     weights fit comfortably on the device, or they are quantized), else as a skeleton streamed layer
     by layer."""
     from blockfold.models.checkpoint import CheckpointReader, has_safetensors
-    from blockfold.models.quantized import quantization_method
+    from blockfold.models.compressed_tensors import QUANT_METHOD as COMPRESSED_TENSORS
+    from blockfold.models.compressed_tensors import CompressedTensorsReader
+    from blockfold.models.quantized import check_quantized_source, quantization_dict, quantization_method
     from blockfold.models.sources import load_model, read_config, resolve_model_path
     from blockfold.runtime import free_memory, resolve_dtype
 
@@ -130,8 +132,13 @@ def open_model(spec: str, execution: Execution | None = None, check=None) -> Mod
     if pipeline == "auto":
         location = resolve_model_path(spec)
         pipeline = "whole"
-        if isinstance(location, Path) and has_safetensors(location) and quantization_method(read_config(location)) is None:
-            reader = CheckpointReader(location)
+        config = read_config(location) if isinstance(location, Path) and has_safetensors(location) else None
+        method = quantization_method(config) if config is not None else "none"
+        if config is not None:
+            check_quantized_source(config, pipeline)
+        if method in (None, COMPRESSED_TENSORS):  # bitsandbytes builds its layers on load: always resident
+            reader = (CompressedTensorsReader(location, quantization_dict(config)) if method else
+                      CheckpointReader(location))
             device = resolve_device(execution.device)
             dtype = resolve_dtype(execution.dtype, device, reader.floating_dtype())
             weights = sum(reader.nbytes(name) // reader.dtype(name).itemsize for name in reader.names()) * dtype.itemsize

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from blockfold.errors import BlockfoldError
+from blockfold.models.compressed_tensors import QUANT_METHOD, check_compressed_tensors_source
 
 log = logging.getLogger(__name__)
 
@@ -34,20 +35,32 @@ def quantization_method(config) -> str | None:
     return quantization.get("quant_method") if isinstance(quantization, dict) else getattr(quantization, "quant_method", None)
 
 
+def quantization_dict(config) -> dict:
+    """The config's ``quantization_config`` as a plain dict (transformers keeps a dict or a config object)."""
+    quantization = getattr(config, "quantization_config", None) or {}
+    return dict(quantization) if isinstance(quantization, dict) else quantization.to_dict()
+
+
 def check_quantized_source(config, pipeline: str) -> None:
     """Refuse the quantized checkpoints blockfold cannot compress, and layer-by-layer runs of the
-    ones it can, with what to do instead."""
+    bitsandbytes ones, with what to do instead (a compressed-tensors checkpoint is read as its float
+    model, ``models/compressed_tensors.py``, so it runs either way)."""
     method = quantization_method(config)
     if method is None:
         return
     method = str(getattr(method, "value", method))
-    quantization = config.quantization_config
-    eight_bit = (quantization.get("load_in_8bit") if isinstance(quantization, dict)
-                 else getattr(quantization, "load_in_8bit", False))
+    quantization = quantization_dict(config)
+    if method == QUANT_METHOD:
+        check_compressed_tensors_source(quantization)
+        return
+    eight_bit = quantization.get("load_in_8bit")
     if method != "bitsandbytes" or eight_bit:
+        hint = (" (an AutoGPTQ/AutoAWQ layout: llm-compressor writes the same schemes as compressed-tensors, which "
+                "blockfold reads)" if method in ("gptq", "awq") else "")
         raise BlockfoldError(f"the checkpoint is quantized with {method}{' (8-bit)' if eight_bit else ''}, which "
-                             "blockfold does not compress: it reads float checkpoints, GGUF files and bitsandbytes "
-                             "4-bit checkpoints; compress the float model, or its GGUF file")
+                             "blockfold does not compress: it reads float checkpoints, GGUF files, bitsandbytes 4-bit "
+                             f"and compressed-tensors weight-only checkpoints{hint}; compress the float model, or its "
+                             "GGUF file")
     if importlib.util.find_spec("bitsandbytes") is None:
         raise BlockfoldError("the checkpoint is quantized with bitsandbytes, which is not installed: "
                              "pip install 'blockfold[quant]' (or bitsandbytes itself)")
@@ -115,8 +128,7 @@ def unquantized_linears(model: nn.Module) -> list[str]:
 
 def skip_modules_config(config, model: nn.Module) -> None:
     """Add the model's unquantized linear layers to ``llm_int8_skip_modules`` of ``config``."""
-    quantization = config.quantization_config
-    as_dict = quantization if isinstance(quantization, dict) else quantization.to_dict()
+    as_dict = quantization_dict(config)
     skip = sorted(set(as_dict.get("llm_int8_skip_modules") or []) | set(unquantized_linears(model)))
     as_dict = {**as_dict, "llm_int8_skip_modules": skip or None}
     config.quantization_config = as_dict

@@ -25,7 +25,10 @@ from blockfold.jsonfile import staged_file
 from blockfold.models.checkpoint import CheckpointReader, has_safetensors
 from blockfold.models.handle import ModelHandle, WeightStore
 from blockfold.models.multimodal import auto_class, compressed_view, is_vision
-from blockfold.models.quantized import check_quantized_source
+from blockfold.models.compressed_tensors import QUANT_METHOD as COMPRESSED_TENSORS
+from blockfold.models.compressed_tensors import CompressedTensorsReader, without_quantization
+from blockfold.models.quantized import check_quantized_source, quantization_dict, quantization_method
+from blockfold.progress import bar
 from blockfold.surgery.linearize import register_linearized_classes
 
 # blockfold reads its own linearized checkpoints with its copy of their modeling code (no remote code)
@@ -248,18 +251,28 @@ def load_model(
         check(config)
     folder = Path(location) if isinstance(location, Path) else None
     reader = CheckpointReader(folder) if folder is not None and has_safetensors(folder) else None
+    stored_quantized = quantization_method(config) == COMPRESSED_TENSORS
+    if stored_quantized:  # read as the float model its layers stand for; its quantization config stays with the reader
+        if reader is None:
+            raise BlockfoldError(f"{spec} is a compressed-tensors checkpoint without safetensors weights: re-save it "
+                                 "with save_pretrained")
+        reader = CompressedTensorsReader(folder, quantization_dict(config))
+        config = without_quantization(config)
     device = device if isinstance(device, torch.device) else resolve_device(device)
     if isinstance(dtype, str):
         dtype = resolve_dtype(dtype, device, reader.floating_dtype() if reader is not None else None)
     tokenizer = None
     if with_tokenizer:
         tokenizer = load_image_processor(location) if is_vision(config) else load_tokenizer(location)
-    if pipeline == "sequential":
+    if pipeline == "sequential" or stored_quantized:
         if reader is None:
             raise BlockfoldError(f"{spec} has no safetensors weights to read layer by layer: use --pipeline whole "
                                  "or re-save the model with save_pretrained")
         model = skeleton(config, dtype)
-        return _handle(model, tokenizer, device, dtype, WeightStore.of(model, reader), spec, folder)
+        store = WeightStore.of(model, reader)
+        if pipeline != "sequential":
+            _read_resident(model, store, device, dtype)
+        return _handle(model, tokenizer, device, dtype, store, spec, folder)
     try:
         model = auto_class(config).from_pretrained(location, dtype=dtype, device_map={"": device})
     except OSError as err:
@@ -275,6 +288,23 @@ def load_model(
     model.eval()
     model.requires_grad_(False)
     return _handle(model, tokenizer, device, dtype, WeightStore.of(model, reader), spec, folder)
+
+
+@torch.no_grad()
+def _read_resident(model: PreTrainedModel, store: WeightStore, device: torch.device, dtype: torch.dtype) -> None:
+    """Fill the skeleton ``model`` from ``store`` on ``device``, each parameter once (tied ones stay
+    one tensor): the resident load of a checkpoint that ``from_pretrained`` would not read as floats."""
+    loaded: dict[int, torch.nn.Parameter] = {}
+    for module in bar(list(model.modules()), desc="reading weights", unit="module", leave=False):
+        for attr, param in list(module._parameters.items()):
+            if param is None:
+                continue
+            if id(param) not in loaded:
+                value = store.value(module, attr)
+                value = value.to(dtype) if value.is_floating_point() else value
+                loaded[id(param)] = torch.nn.Parameter(value.to(device), requires_grad=False)
+            module._parameters[attr] = loaded[id(param)]
+    model.to(device)  # the computed buffers (rotary tables)
 
 
 def _handle(model: PreTrainedModel, *fields) -> ModelHandle:

@@ -21,8 +21,11 @@ DEFAULT_PROMPTS = Path(os.environ.get("BLOCKFOLD_DATA", "../shared/data")) / "la
 
 
 def agreement(model: str, engine: str, quant: str = "f16", prompts: Path = DEFAULT_PROMPTS, count: int = 20,
-              prompt_tokens: int = 64, new_tokens: int = 16, threads: int = 2, gguf: Path | None = None) -> Agreement:
-    """Greedy continuations of ``count`` prompts by transformers (float32) and by ``engine``."""
+              prompt_tokens: int = 64, new_tokens: int = 16, threads: int = 2, gguf: Path | None = None,
+              dtype: str = "auto") -> Agreement:
+    """Greedy continuations of ``count`` prompts by transformers and by ``engine``, both in ``dtype``
+    (``auto``: float32, but bfloat16 for a compressed-tensors checkpoint in vLLM, whose CPU kernels for
+    packed weights take no float32)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from blockfold.export import export_gguf
@@ -32,8 +35,12 @@ def agreement(model: str, engine: str, quant: str = "f16", prompts: Path = DEFAU
     tokenizer = AutoTokenizer.from_pretrained(folder)
     texts, ids = read_prompts(Path(prompts), tokenizer, count, prompt_tokens)
     # NBL outputs ship their modeling code (and vLLM serves them through plugins/vllm)
-    remote = json.loads((folder / "config.json").read_text()).get("model_type", "").startswith("blockfold_")
-    reference_model = AutoModelForCausalLM.from_pretrained(folder, dtype="float32", trust_remote_code=remote).eval()
+    config = json.loads((folder / "config.json").read_text())
+    remote = config.get("model_type", "").startswith("blockfold_")
+    if dtype == "auto":
+        packed = (config.get("quantization_config") or {}).get("quant_method") == "compressed-tensors"
+        dtype = "bfloat16" if packed and engine == "vllm" else "float32"
+    reference_model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, trust_remote_code=remote).eval()
     reference, gaps = transformers_greedy(reference_model, ids, new_tokens)
     del reference_model
     with tempfile.TemporaryDirectory(dir=folder.parent) as scratch:
@@ -41,7 +48,7 @@ def agreement(model: str, engine: str, quant: str = "f16", prompts: Path = DEFAU
             gguf = export_gguf(folder, Path(scratch) / "model.gguf", quant=quant)
         target = str(gguf) if engine == "llamacpp" else str(folder)
         result = run_engine(engine, {"model": target, "prompts": ids, "new_tokens": new_tokens, "threads": threads,
-                                     "texts": texts, "trust_remote_code": remote})
+                                     "texts": texts, "trust_remote_code": remote, "dtype": dtype})
     expected_ids = [tokenizer(text)["input_ids"] for text in texts]
     tokenization = sum(a == b for a, b in zip(expected_ids, result["tokenized"]))
     speed = {key: result[key] for key in ("prefill_seconds", "decode_seconds", "prefill_tokens", "decode_tokens")}
@@ -58,11 +65,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS, help=".jsonl ('text') or .txt prompts")
     parser.add_argument("--count", type=int, default=20, help="number of prompts")
     parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+                        help="both sides' dtype (auto: float32; bfloat16 for compressed-tensors in vLLM)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="serve-check: %(message)s")
     try:
         found = agreement(args.model, args.engine, args.quant, args.prompts, args.count, new_tokens=args.new_tokens,
-                          gguf=args.gguf)
+                          gguf=args.gguf, dtype=args.dtype)
     except BlockfoldError as error:
         print(f"serve-check: error: {error}", file=sys.stderr)
         return 2

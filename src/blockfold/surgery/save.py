@@ -20,6 +20,7 @@ from transformers.utils import GENERATION_CONFIG_NAME
 
 from blockfold.errors import BlockfoldError
 from blockfold.models.checkpoint import DEFAULT_SHARD_BYTES, ShardWriter
+from blockfold.models.compressed_tensors import CompressedTensorsReader
 from blockfold.models.handle import ModelHandle
 from blockfold.models.multimodal import PROCESSOR_FILES
 from blockfold.models.naming import stored_tensors
@@ -136,14 +137,26 @@ def write_checkpoint(handle: ModelHandle, folder: Path, save_dtype: torch.dtype 
 
     # each parameter under the names save_pretrained writes it (a mixture's experts one tensor each)
     # (a meta stand-in, not ``tensor.to("meta")``: bitsandbytes moves a 4-bit weight's state along with it, in place)
-    layout = [(stored, tuple(piece.shape), dtype_of(tensor)) for name, _, _, tensor in entries
-              for stored, piece in stored_tensors(model, name, torch.empty(tensor.shape, dtype=tensor.dtype,
-                                                                           device="meta")).items()]
+    quantized = {name: source for name, module, attr, _ in entries
+                 if (source := _stored_quantized(handle, module, attr)) is not None}
+    layout = []
+    for name, module, attr, tensor in entries:
+        placeholder = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+        if name in quantized:
+            layout += [(stored, shape, dtype) for stored, (shape, dtype) in
+                       _quantized_layout(handle, module, name, quantized[name], placeholder).items()]
+        else:
+            layout += [(stored, tuple(piece.shape), dtype_of(tensor))
+                       for stored, piece in stored_tensors(model, name, placeholder).items()]
     companions = _quantization_state(handle, entries)
     reader = handle.store.reader
     layout += [(saved, tuple(reader.shape(source)), reader.dtype(source)) for saved, source in companions.items()]
     writer = ShardWriter(folder, max_shard_bytes, layout)
     for name, module, attr, tensor in bar(entries, desc="writing checkpoint", unit="tensor", leave=False):
+        if name in quantized:  # as stored, or quantized again where compression changed it
+            for stored, piece in _quantized_tensors(handle, module, name, quantized[name]).items():
+                writer.add(stored, piece.contiguous())
+            continue
         value = handle.saved_value(module, attr) if attr in module._parameters else tensor
         for stored, piece in stored_tensors(model, name, _cast_checked(name, value, dtype_of(value))).items():
             writer.add(stored, piece.contiguous())
@@ -151,7 +164,14 @@ def write_checkpoint(handle: ModelHandle, folder: Path, save_dtype: torch.dtype 
         writer.add(saved, reader.get(source))
     writer.close()
     config = copy.deepcopy(model.config)
-    if quantization_method(config) is not None:
+    if isinstance(reader, CompressedTensorsReader):
+        layers = {name.removesuffix(".weight") for name in quantized}
+        config.quantization_config = reader.saved_config(model, layers)
+        logger.info("saved %d of %d quantized layers as the source stored them, %d quantized again after their edit",
+                    sum(not _edited(handle, module) for name, module, *_ in entries if name in quantized),
+                    len(reader.quantized_weights), sum(_edited(handle, module) for name, module, *_ in entries
+                                                       if name in quantized))
+    elif quantization_method(config) is not None:
         skip_modules_config(config, model)
     config.dtype = str(save_dtype).removeprefix("torch.")
     config.architectures = [type(model).__name__]
@@ -163,6 +183,42 @@ def write_checkpoint(handle: ModelHandle, folder: Path, save_dtype: torch.dtype 
         shutil.copyfile(source_generation, folder / GENERATION_CONFIG_NAME)
     elif model.can_generate():
         GenerationConfig.from_model_config(config).save_pretrained(folder)
+
+
+def _stored_quantized(handle: ModelHandle, module: nn.Module, attr: str) -> str | None:
+    """The checkpoint name of a weight its compressed-tensors source stores quantized (and the model
+    still reads from there), else None."""
+    reader = handle.store.reader
+    if not isinstance(reader, CompressedTensorsReader) or attr != "weight" or attr in handle.store.owned.get(module, {}):
+        return None
+    source = handle.store.source_name(module, attr)
+    return source if isinstance(source, str) and reader.is_quantized(source) else None
+
+
+def _edited(handle: ModelHandle, module: nn.Module) -> bool:
+    return bool(handle.store.edits.get(module, {}).get("weight"))
+
+
+def _quantized_layout(handle: ModelHandle, module: nn.Module, name: str, source: str,
+                      placeholder: torch.Tensor) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Saved name → (shape, dtype) of the tensors a quantized weight is written as."""
+    reader, layer = handle.store.reader, name.removesuffix("weight")
+    if _edited(handle, module):
+        return {layer + suffix: (tuple(tensor.shape), tensor.dtype)
+                for suffix, tensor in reader.requantize(source, placeholder).items()}
+    prefix = source.removesuffix("weight")
+    return {layer + part.removeprefix(prefix): reader.stored_layout(part) for part in reader.stored_tensors(source)}
+
+
+def _quantized_tensors(handle: ModelHandle, module: nn.Module, name: str, source: str) -> dict[str, torch.Tensor]:
+    """Saved name → tensor of a quantized weight: its source's tensors byte for byte, or, where compression
+    edited it, the edited float64 weight quantized again in the source's scheme."""
+    reader, layer = handle.store.reader, name.removesuffix("weight")
+    if _edited(handle, module):
+        return {layer + suffix: tensor
+                for suffix, tensor in reader.requantize(source, handle.saved_value(module, "weight")).items()}
+    prefix = source.removesuffix("weight")
+    return {layer + part.removeprefix(prefix): reader.stored(part) for part in reader.stored_tensors(source)}
 
 
 def _quantization_state(handle: ModelHandle, entries) -> dict[str, str]:
