@@ -595,6 +595,33 @@ def render_quantized_input(results: dict) -> str:
     return "\n".join([*lines, "", *_footer([results])])
 
 
+def render_compressed_tensors_input(results: dict) -> str:
+    """Issue #45: a GPTQ W4A16 checkpoint (compressed-tensors) compressed as it is, beside its float model."""
+    quantization = results["source_quantization"]["config_groups"]["group_0"]["weights"]
+    lines = [f"{results['float_model']} quantized to {quantization['num_bits']} bits per weight, groups of "
+             f"{quantization['group_size']}, {'symmetric' if quantization['symmetric'] else 'with zero points'} "
+             f"(`{results['source']}`, built by `scripts/quantize-w4a16.sh`: llm-compressor GPTQ), and the float model "
+             f"it was quantized from, each compressed with the same recipes; WikiText-2 perplexity on the first "
+             f"{results['ppl_windows']} windows of 512 tokens.", "",
+             "| checkpoint | model | removed blocks / replaced attention | weight files | WikiText-2 ppl | ratio to its "
+             "original | quantized layers: as stored / quantized again | stored in float (`ignore`) | vLLM greedy tokens |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    originals = {row["precision"]: row for row in results["rows"] if row["model"] == "original"}
+    for row in results["rows"]:
+        compressed = row["model"] != "original"
+        cut = (_span(row.get("removed_blocks") or []) if row.get("removed_blocks")
+               else f"attention {_span((row.get('replaced') or {}).get('layers') or [])}" if compressed else "-")
+        layers = f"{row['as_stored']} / {len(row['quantized_again'])}" if "as_stored" in row else "-"
+        floats = ", ".join(f"`{name}`" for name in row.get("ignore") or []) or "-"
+        serve = row.get("vllm")
+        served = (serve["summary"].split(":", 1)[1].split(";")[0].strip() if serve and ":" in serve["summary"]
+                  else (serve or {}).get("summary", "-"))
+        lines.append(f"| {row['precision']} | {row['model']} | {cut} | {row['weight_bytes'] / 1e6:.0f} MB | "
+                     f"{row['perplexity']:.2f} | {row['perplexity'] / originals[row['precision']]['perplexity']:.2f}x | "
+                     f"{layers} | {floats} | {served} |")
+    return "\n".join([*lines, "", *_footer([results])])
+
+
 def _perplexity(value: float) -> str:
     return f"{value:.2f}" if value < 1e5 else f"{value:.1e}"
 

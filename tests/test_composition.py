@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import yaml
 from transformers import AutoModelForCausalLM
-from conftest import checkpoint_tensors, tiny_model, tiny_tokenizer
+from conftest import checkpoint_tensors, quantize_w4a16, tiny_model, tiny_tokenizer
 from simulated_device import DEVICE, simulated_accelerator
 
 import blockfold
@@ -133,6 +133,7 @@ def workspace(tmp_path_factory) -> Workspace:
     for arch in ARCHITECTURES:
         tiny_model(arch).save_pretrained(root / "models" / arch)
         tiny_tokenizer().save_pretrained(root / "models" / arch)
+    quantize_w4a16(root / "models" / ARCHITECTURES[0], root / "models" / QUANTIZED)
     generator = torch.Generator().manual_seed(0)
     corpus = root / "corpus.txt"
     corpus.write_text(" ".join(f"w{int(w)}" for w in torch.randint(0, 90, (3000,), generator=generator)))
@@ -366,7 +367,7 @@ def _torchrun_outputs(workspace: Workspace) -> dict[str, dict]:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
-        cells = [(case, arch) for case in CASES for arch in _architectures_of(case)]
+        cells = [(case, arch) for case, arch, mode in CELLS if mode == "torchrun"]
         mp.spawn(_torchrun_rank, args=(port, str(workspace.root), cells, {"corpus": str(workspace.corpus)}),
                  nprocs=2, join=True)
         _TORCHRUN.update(json.loads((workspace.root / "torchrun.json").read_text()))
@@ -394,8 +395,35 @@ def _architectures_of(case: str) -> tuple[str, ...]:
     return ARCHITECTURES[:2] if case == "replaceme-shortlist" else ARCHITECTURES
 
 
+#: a compressed-tensors W4A16 copy of the Llama (conftest.quantize_w4a16): a quantized input is read as its float
+#: model and written back layer by layer as stored, quantized again, or in float, so its cells are the cases that
+#: write each kind (a fold and refit, NBL's new layers, a refit after another removal, SliceGPT's narrowed
+#: layers, healing's trained ones) in the modes that read or write it otherwise (the three above the API's)
+QUANTIZED = "llama-w4a16"
+QUANTIZED_CASES = ("replaceme", "nbl", "drop-block+refit", "slicegpt", "replaceme+heal")
+QUANTIZED_MODES = ("recipe-file", "sequential", "torchrun")
+
 CELLS = [(case, arch, mode) for mode in MODES for case in CASES for arch in _architectures_of(case)
          if (mode not in INTERFACE_MODES or arch == ARCHITECTURES[0]) and (case, mode) not in NOT_SIMULATED]
+CELLS += [(case, QUANTIZED, mode) for mode in QUANTIZED_MODES for case in QUANTIZED_CASES]
+
+
+def _saved_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """A saved checkpoint's tensors; a quantized layer's (compressed-tensors) as the weight they store, so
+    a layer quantized again is compared by its values, not by the bits of its packed words."""
+    config = json.loads((folder / "config.json").read_text()).get("quantization_config") or {}
+    if config.get("quant_method") != "compressed-tensors":
+        return checkpoint_tensors(folder)
+    from blockfold.models.compressed_tensors import CompressedTensorsReader
+
+    reader = CompressedTensorsReader(folder, config)
+    return {name: reader.get(name) for name in reader.names()}
+
+
+def _stored_as(folder: Path) -> tuple[dict, list[str]]:
+    """The saved quantization config and which tensors hold packed weights."""
+    config = json.loads((folder / "config.json").read_text()).get("quantization_config")
+    return config, sorted(name for name in checkpoint_tensors(folder) if name.endswith("weight_packed"))
 
 
 def _as_weights(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -421,9 +449,10 @@ def _assert_same_output(got: Outcome, expected: Outcome, tolerance: float, where
     assert got.refusal is None, f"{where}: refused ({got.refusal}) where the plain run saves"
     for field in ("removed_blocks", "replaced"):
         assert got.manifest.get(field) == expected.manifest.get(field), f"{where}: {field}"
-    saved, wanted = _as_weights(checkpoint_tensors(got.folder)), _as_weights(checkpoint_tensors(expected.folder))
+    saved, wanted = _as_weights(_saved_weights(got.folder)), _as_weights(_saved_weights(expected.folder))
     assert saved.keys() == wanted.keys(), where
-    full = (_as_weights(checkpoint_tensors(float32.folder)) if float32 is not None and float32.folder is not None
+    assert _stored_as(got.folder) == _stored_as(expected.folder), f"{where}: other layers stored quantized"
+    full = (_as_weights(_saved_weights(float32.folder)) if float32 is not None and float32.folder is not None
             else None)
     if full is not None and full.keys() != wanted.keys():  # float32 chose other blocks: no precision yardstick
         full = None

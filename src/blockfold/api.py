@@ -420,7 +420,12 @@ def heal(
         after = perplexity(trained, windows, description="perplexity (healed)")
         manifest["healing"]["perplexity"] = {"text": str(perplexity_text), "before": before, "after": after}
     manifest["healing"]["environment"] = environment()
-    # the trained weights are the model's own now: saved from memory, in the source's dtype unless asked otherwise
-    healed = ModelHandle(trained, loaded.tokenizer, loaded.device, loaded.dtype, WeightStore(None), loaded.spec, loaded.path)
+    # the trained weights are the model's own now: saved from memory, in the source's dtype unless asked otherwise;
+    # a quantized (compressed-tensors) source keeps its untrained layers as stored and quantizes the trained ones again
+    from blockfold.models.compressed_tensors import CompressedTensorsReader
+
+    store = (loaded.store.holding(trained) if isinstance(loaded.store.reader, CompressedTensorsReader)
+             else WeightStore(None))
+    healed = ModelHandle(trained, loaded.tokenizer, loaded.device, loaded.dtype, store, loaded.spec, loaded.path)
     return CompressionResult(healed, manifest, recipe,
                              default_save_dtype=saved_dtype(execution.save_dtype) or loaded.source_dtype())

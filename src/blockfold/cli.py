@@ -623,7 +623,10 @@ def cmd_compress(args) -> int:
         healing = manifest["healing"]
         rows.append(("healed", f"{healing['mode']}, {healing['steps']} steps, loss {healing['loss_first_steps']:.3f} "
                                f"-> {healing['loss_last_steps']:.3f} ({healing['seconds']:.0f} s)"))
-    rows.append(("saved", f"{out} ({manifest['saved_dtype']})"))
+    stored_as = manifest.get("quantization")
+    quantized = (f"; {stored_as['format']}: {stored_as['as_stored']} layers as stored, {stored_as['quantized_again']} "
+                 f"quantized again, {len(stored_as['in_float'])} in float" if stored_as else "")
+    rows.append(("saved", f"{out} ({manifest['saved_dtype']}{quantized})"))
     rows.append(("next", f"blockfold eval --model {out} --tasks piqa,arc_easy   (accuracy against the original); "
                          f"blockfold bench --model {out}   (speed)"))
     _print_table(rows, "blockfold compress")

@@ -215,8 +215,8 @@ def _plan(model: Path, quant: str, tokenizer_pre: str | None = None) -> _Plan:
     model_type = config.model_type
     if getattr(config, "quantization_config", None) is not None:
         raise BlockfoldError(f"{model} is a quantized transformers checkpoint (its weights are packed for "
-                             "bitsandbytes, not float): export the float model's compressed output, or compress the "
-                             "model's GGUF file and export that with --quant source")
+                             "bitsandbytes or compressed-tensors, not float): export the float model's compressed "
+                             "output, or compress the model's GGUF file and export that with --quant source")
     if model_type.startswith("blockfold_"):
         what = ("stores its projections as two low-rank factors (SVD-LLM), which no llama.cpp architecture expresses"
                 if getattr(config, "blockfold_low_rank", None) else

@@ -162,6 +162,12 @@ class CompressedTensorsReader(CheckpointReader):
         raise BlockfoldError(f"checkpoint {self.folder} has no tensor {name!r}")
 
     # -- writing back ----------------------------------------------------------------------
+    def requantizable(self, name: str, shape: tuple[int, ...]) -> bool:
+        """Whether the layer of weight ``name``, edited to ``shape``, fits its scheme again (a sliced
+        layer's inputs may no longer be a whole number of groups: it is then stored in float)."""
+        args = self.scheme(name).weights
+        return args.strategy != "group" or shape[-1] % args.group_size == 0
+
     def requantize(self, name: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         """The tensors (by suffix: ``weight_packed``, ``weight_scale``, ...) that store the changed
         ``weight`` of layer ``name`` in its source scheme, scales from the weight's own minima and maxima

@@ -80,6 +80,29 @@ class WeightStore:
                 store.sources.setdefault(module, {})[attr] = found
         return store
 
+    def holding(self, model: nn.Module) -> "WeightStore":
+        """A store whose parameters keep their checkpoint names but hold ``model``'s current values (an
+        edit returning the value, where training changed it): what a trained model is saved from, so that a
+        quantized source's untrained layers stay as stored and its trained ones are quantized again."""
+        store = WeightStore(self.reader)
+        for module in model.modules():
+            for attr, param in module._parameters.items():
+                if param is None:
+                    continue
+                value = param.detach().to("cpu")
+                source = self.source_name(module, attr)
+                if source is None or attr in self.owned.get(module, {}):
+                    store.owned.setdefault(module, {})[attr] = value.to(torch.float32).clone()
+                    continue
+                store.sources.setdefault(module, {})[attr] = source
+                if torch.equal(self.value(module, attr).to(value.dtype), value):
+                    edits = list(self.edits.get(module, {}).get(attr, ()))
+                else:
+                    edits = [lambda _, trained=value.clone(): trained.double()]
+                if edits:
+                    store.edits.setdefault(module, {})[attr] = edits
+        return store
+
     def source_name(self, owner: nn.Module, attr: str) -> "str | Stored | None":
         return self.sources.get(owner, {}).get(attr)
 

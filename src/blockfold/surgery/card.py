@@ -221,6 +221,15 @@ def model_card(manifest: dict, folder: Path, name: str, license_name: str | None
                   "compression left alone is its source's, byte for byte; the layers it changed are stored unquantized "
                   f"and listed in `llm_int8_skip_modules` ({', '.join(quantization.get('llm_int8_skip_modules') or [])}). "
                   "GGUF export reads float checkpoints: compress the float model (or its GGUF file) for llama.cpp.", ""]
+    elif quantization.get("quant_method") == "compressed-tensors":
+        floats = ", ".join(f"`{name}`" for name in quantization.get("ignore") or []) or "none"
+        lines += ["## Quantization", "",
+                  "Quantized as its source was (compressed-tensors, as llm-compressor writes it): transformers loads it "
+                  "with the `compressed-tensors` package and vLLM serves it as it is. Every quantized layer "
+                  "compression left alone is its source's, byte for byte; the layers it changed are quantized again "
+                  "in the source's scheme (round to nearest); layers in no scheme are stored in float and named in "
+                  f"the config's `ignore` list ({floats}). GGUF export reads float checkpoints: compress the float "
+                  "model (or its GGUF file) for llama.cpp.", ""]
     lines += ["## License", "",
               (f"Derived from `{source}`, released under `{license_name}`; that license's terms apply to this "
                "checkpoint." if license_name else

@@ -20,7 +20,7 @@ from transformers.utils import GENERATION_CONFIG_NAME
 
 from blockfold.errors import BlockfoldError
 from blockfold.models.checkpoint import DEFAULT_SHARD_BYTES, ShardWriter
-from blockfold.models.compressed_tensors import CompressedTensorsReader
+from blockfold.models.compressed_tensors import QUANT_METHOD, CompressedTensorsReader
 from blockfold.models.handle import ModelHandle
 from blockfold.models.multimodal import PROCESSOR_FILES
 from blockfold.models.naming import stored_tensors
@@ -123,11 +123,12 @@ def _cast_checked(name: str, value: torch.Tensor, dtype: torch.dtype) -> torch.T
 
 
 def write_checkpoint(handle: ModelHandle, folder: Path, save_dtype: torch.dtype | None = None,
-                     max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> None:
+                     max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> dict | None:
     """Write the model's weights, config and generation config into ``folder``, tensor by tensor:
     each parameter is read from the source checkpoint (or the owned copy), its recorded edits are
     applied in float64, and it is cast to ``save_dtype`` (default: the source's own dtype). The
-    whole model is never in memory; plain transformers loads the result."""
+    whole model is never in memory; plain transformers loads the result. For a compressed-tensors source,
+    returns how its quantized layers were saved (as stored, quantized again, which in float)."""
     model = handle.saved_model
     save_dtype = save_dtype or handle.source_dtype()
     entries = _saved_entries(model)
@@ -137,8 +138,8 @@ def write_checkpoint(handle: ModelHandle, folder: Path, save_dtype: torch.dtype 
 
     # each parameter under the names save_pretrained writes it (a mixture's experts one tensor each)
     # (a meta stand-in, not ``tensor.to("meta")``: bitsandbytes moves a 4-bit weight's state along with it, in place)
-    quantized = {name: source for name, module, attr, _ in entries
-                 if (source := _stored_quantized(handle, module, attr)) is not None}
+    quantized = {name: source for name, module, attr, tensor in entries
+                 if (source := _stored_quantized(handle, module, attr, tuple(tensor.shape))) is not None}
     layout = []
     for name, module, attr, tensor in entries:
         placeholder = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
@@ -163,14 +164,14 @@ def write_checkpoint(handle: ModelHandle, folder: Path, save_dtype: torch.dtype 
     for saved, source in companions.items():  # as stored: a 4-bit weight's state is never cast
         writer.add(saved, reader.get(source))
     writer.close()
+    stored_as = None
     config = copy.deepcopy(model.config)
     if isinstance(reader, CompressedTensorsReader):
         layers = {name.removesuffix(".weight") for name in quantized}
         config.quantization_config = reader.saved_config(model, layers)
-        logger.info("saved %d of %d quantized layers as the source stored them, %d quantized again after their edit",
-                    sum(not _edited(handle, module) for name, module, *_ in entries if name in quantized),
-                    len(reader.quantized_weights), sum(_edited(handle, module) for name, module, *_ in entries
-                                                       if name in quantized))
+        again = sum(_edited(handle, module) for name, module, *_ in entries if name in quantized)
+        stored_as = {"format": QUANT_METHOD, "as_stored": len(quantized) - again, "quantized_again": again,
+                     "in_float": config.quantization_config["ignore"]}
     elif quantization_method(config) is not None:
         skip_modules_config(config, model)
     config.dtype = str(save_dtype).removeprefix("torch.")
@@ -183,16 +184,20 @@ def write_checkpoint(handle: ModelHandle, folder: Path, save_dtype: torch.dtype 
         shutil.copyfile(source_generation, folder / GENERATION_CONFIG_NAME)
     elif model.can_generate():
         GenerationConfig.from_model_config(config).save_pretrained(folder)
+    return stored_as
 
 
-def _stored_quantized(handle: ModelHandle, module: nn.Module, attr: str) -> str | None:
-    """The checkpoint name of a weight its compressed-tensors source stores quantized (and the model
-    still reads from there), else None."""
+def _stored_quantized(handle: ModelHandle, module: nn.Module, attr: str, shape: tuple[int, ...]) -> str | None:
+    """The checkpoint name of a weight its compressed-tensors source stores quantized, when it is saved
+    quantized (as stored, or quantized again in the source's scheme after an edit); else None: a weight
+    from no checkpoint (a trained or new layer) and one the scheme no longer fits are saved in float."""
     reader = handle.store.reader
     if not isinstance(reader, CompressedTensorsReader) or attr != "weight" or attr in handle.store.owned.get(module, {}):
         return None
     source = handle.store.source_name(module, attr)
-    return source if isinstance(source, str) and reader.is_quantized(source) else None
+    if not isinstance(source, str) or not reader.is_quantized(source):
+        return None
+    return source if not _edited(handle, module) or reader.requantizable(source, shape) else None
 
 
 def _edited(handle: ModelHandle, module: nn.Module) -> bool:
@@ -262,7 +267,9 @@ def save_compressed(
 ) -> Path:
     """Save weights (safetensors shards), tokenizer, manifest and recipe; nothing half written is left."""
     with staged_folder(out, overwrite) as staging:
-        write_checkpoint(handle, staging, save_dtype)
+        stored_as = write_checkpoint(handle, staging, save_dtype)
+        if stored_as is not None:
+            manifest["quantization"] = stored_as
         if handle.tokenizer is not None:
             handle.tokenizer.save_pretrained(staging)
         if handle.container is not None and handle.path is not None:  # what turns images into the model's input
