@@ -81,8 +81,8 @@ def test_the_reader_gives_what_the_quantized_model_computes(w4a16):
     """blockfold's float view of a packed layer is its 4-bit values times their scales (unpacked here, zero
     points included), in both pipelines, with the packed tensors hidden; for a symmetric scheme the model
     computes exactly what transformers loading the folder with compressed-tensors computes. (transformers
-    5.25 with compressed-tensors 0.19 re-initializes an asymmetric scheme's packed zero points on load,
-    a shape mismatch of their own: such a source is compared with the unpacking alone.)"""
+    5.25 with compressed-tensors 0.19 does not load an asymmetric scheme, whose packed zero points it expects
+    unpacked: such a source is compared with the unpacking alone.)"""
     streamed = load_model(str(w4a16), pipeline="sequential")
     assert not streamed.resident
     reader = streamed.store.reader
@@ -130,7 +130,7 @@ def test_replaceme_keeps_untouched_layers_and_quantizes_edited_ones_again(w4a16,
         step = saved[f"{layer}.weight_scale"].double().repeat_interleave(16, dim=1)
         assert ((reread - weight).abs() <= step / 2 * (1 + 1e-6) + 1e-7).all(), layer
         assert not torch.equal(saved[f"{layer}.weight_packed"], source[_source_name(f"{layer}.weight_packed", removed, 6)])
-    if _symmetric(w4a16):  # transformers misreads asymmetric zero points (above)
+    if _symmetric(w4a16):  # transformers does not load asymmetric zero points (above)
         ids = [[5, 9, 12, 40, 7]]
         assert len(generate_without_blockfold(out, ids, tmp_path)[0]) == len(ids[0]) + 10
 
@@ -150,7 +150,7 @@ def test_nbl_names_its_linear_maps_in_the_ignore_list(w4a16, corpus, tmp_path):
     for name, tensor in saved.items():
         if name in source and not name.startswith(tuple(maps)):
             assert torch.equal(_raw(tensor), _raw(source[name])), name
-    if not _symmetric(w4a16):  # transformers misreads asymmetric zero points (above)
+    if not _symmetric(w4a16):  # transformers does not load asymmetric zero points (above)
         return
     ids = torch.randint(0, 90, (1, 12), generator=torch.Generator().manual_seed(2))
     reloaded = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
@@ -252,3 +252,17 @@ def test_the_summary_and_manifest_say_how_the_quantized_layers_were_saved(w4a16,
     assert manifest["in_float"] == ["lm_head"]
     assert f"{manifest['as_stored']} layers as stored, {manifest['quantized_again']} quantized again, 1 in float" in saved[0]
     assert "compressed-tensors" in (out / "README.md").read_text()
+
+
+def test_a_packed_model_in_memory_is_refused_with_the_folder_as_the_way_out(w4a16):
+    """transformers keeps a compressed-tensors model's layers packed (no ``weight``): compressing that object
+    would fail deep inside a method, so it is refused at once, pointing at the folder. (An asymmetric scheme
+    does not load at all: transformers 5.25 with compressed-tensors 0.19 expects its zero points unpacked,
+    the upstream defect docs/quantized.md names; this fails once that is fixed, so the docs get updated.)"""
+    if not _symmetric(w4a16):
+        with pytest.raises(RuntimeError, match="ignore_mismatched_sizes"):
+            AutoModelForCausalLM.from_pretrained(w4a16)
+        return
+    packed = AutoModelForCausalLM.from_pretrained(w4a16)
+    with pytest.raises(blockfold.BlockfoldError, match="pass its folder"):
+        blockfold.compress(packed, tiny_tokenizer(), {"method": "uidl", "settings": {"blocks": 1}})

@@ -156,7 +156,14 @@ def as_handle(model, tokenizer: PreTrainedTokenizerBase | None, execution: Execu
 
         return open_model(model, execution, check=get_adapter)
     if isinstance(model, PreTrainedModel):
+        from blockfold.models.compressed_tensors import QUANT_METHOD as COMPRESSED_TENSORS
         from blockfold.models.multimodal import compressed_view
+        from blockfold.models.quantized import quantization_method
+
+        if quantization_method(model.config) == COMPRESSED_TENSORS:
+            raise BlockfoldError("this model was loaded by transformers with its compressed-tensors layers packed, "
+                                 "which blockfold cannot read or write back: pass its folder instead (blockfold reads "
+                                 "it as the float model its layers compute and saves it in the source's format)")
         from blockfold.runtime import settle_vector_math
 
         settle_vector_math()

@@ -23,9 +23,10 @@ DEFAULT_PROMPTS = Path(os.environ.get("BLOCKFOLD_DATA", "../shared/data")) / "la
 def agreement(model: str, engine: str, quant: str = "f16", prompts: Path = DEFAULT_PROMPTS, count: int = 20,
               prompt_tokens: int = 64, new_tokens: int = 16, threads: int = 2, gguf: Path | None = None,
               dtype: str = "auto") -> Agreement:
-    """Greedy continuations of ``count`` prompts by transformers and by ``engine``, both in ``dtype``
+    """Greedy continuations of ``count`` prompts by transformers in float32 and by ``engine`` in ``dtype``
     (``auto``: float32, but bfloat16 for a compressed-tensors checkpoint in vLLM, whose CPU kernels for
-    packed weights take no float32)."""
+    packed weights take no float32; the reference stays float32 so that its top-2 gaps say where the
+    engine's rounding could choose another token)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from blockfold.export import export_gguf
@@ -40,7 +41,7 @@ def agreement(model: str, engine: str, quant: str = "f16", prompts: Path = DEFAU
     if dtype == "auto":
         packed = (config.get("quantization_config") or {}).get("quant_method") == "compressed-tensors"
         dtype = "bfloat16" if packed and engine == "vllm" else "float32"
-    reference_model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, trust_remote_code=remote).eval()
+    reference_model = AutoModelForCausalLM.from_pretrained(folder, dtype="float32", trust_remote_code=remote).eval()
     reference, gaps = transformers_greedy(reference_model, ids, new_tokens)
     del reference_model
     with tempfile.TemporaryDirectory(dir=folder.parent) as scratch:
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--count", type=int, default=20, help="number of prompts")
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
-                        help="both sides' dtype (auto: float32; bfloat16 for compressed-tensors in vLLM)")
+                        help="the engine's dtype (auto: float32; bfloat16 for compressed-tensors in vLLM)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="serve-check: %(message)s")
     try:
