@@ -10,8 +10,9 @@ The quantized checkpoint and its float model are each compressed by ReplaceMe (`
 weight-only scheme computes), untouched quantized layers are copied byte for byte and edited ones quantized
 again in the source's scheme. WikiText-2 perplexity on the first ``--ppl-windows`` windows of 512 tokens;
 for each quantized output, how many of its quantized layers are the source's bytes, and with ``--serve``
-whether vLLM's greedy tokens equal transformers' (``scripts/serve-check.sh``, both in bfloat16: vLLM's CPU
-kernel for packed weights takes no float32).
+whether vLLM's greedy tokens equal transformers' (``scripts/serve-check.sh``: vLLM in bfloat16, since its
+CPU kernel for packed weights takes no float32, against transformers in float32). ``--serve-only`` runs
+that check alone on saved folders.
 """
 
 from __future__ import annotations
@@ -88,9 +89,16 @@ def main() -> None:
     parser.add_argument("--attention-layers", type=int, default=8)
     parser.add_argument("--ppl-windows", type=int, default=40)
     parser.add_argument("--serve", action="store_true", help="check vLLM's greedy tokens on each quantized output")
+    parser.add_argument("--serve-only", nargs="+", metavar="LABEL=FOLDER",
+                        help="only the vLLM check, of saved folders (the source as 'original')")
     parser.add_argument("--json", default="bench/results/compressed_tensors_input.json")
     args = parser.parse_args()
     started = provenance(["bench/compressed_tensors_input.py", *sys.argv[1:]])
+    if args.serve_only:
+        folders = dict(entry.split("=", 1) for entry in args.serve_only)
+        rows = [{"model": label, "vllm": serve_check(Path(folder))} for label, folder in folders.items()]
+        write_json(args.json, {"rows": rows, "provenance": started}, indent=1)
+        return
     text = DATA / "wikitext2_test.txt"
     calibration = {"source": str(DATA / "c4_demo.jsonl"), "max_documents": 128}
     recipes = {f"replaceme {args.blocks}": blockfold.Recipe.of(blockfold.ReplaceMe(blocks=args.blocks), calibration),

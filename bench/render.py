@@ -595,8 +595,11 @@ def render_quantized_input(results: dict) -> str:
     return "\n".join([*lines, "", *_footer([results])])
 
 
-def render_compressed_tensors_input(results: dict) -> str:
-    """Issue #45: a GPTQ W4A16 checkpoint (compressed-tensors) compressed as it is, beside its float model."""
+def render_compressed_tensors_input(parts: list[dict]) -> str:
+    """Issue #45: a GPTQ W4A16 checkpoint (compressed-tensors) compressed as it is, beside its float model; a
+    second file's vLLM checks (``--serve-only``), where present, replace the first run's."""
+    results, *served = parts
+    checks = {row["model"]: row["vllm"] for part in served for row in part["rows"]}
     quantization = results["source_quantization"]["config_groups"]["group_0"]["weights"]
     lines = [f"{results['float_model']} quantized to {quantization['num_bits']} bits per weight, groups of "
              f"{quantization['group_size']}, {'symmetric' if quantization['symmetric'] else 'with zero points'} "
@@ -612,14 +615,26 @@ def render_compressed_tensors_input(results: dict) -> str:
         cut = (_span(row.get("removed_blocks") or []) if row.get("removed_blocks")
                else f"attention {_span((row.get('replaced') or {}).get('layers') or [])}" if compressed else "-")
         layers = f"{row['as_stored']} / {len(row['quantized_again'])}" if "as_stored" in row else "-"
-        floats = ", ".join(f"`{name}`" for name in row.get("ignore") or []) or "-"
-        serve = row.get("vllm")
+        floats = ", ".join(f"`{name}`" for name in _grouped_layers(row.get("ignore") or [])) or "-"
+        serve = checks.get(row["model"], row.get("vllm")) if row["precision"] == "w4a16" else None
         served = (serve["summary"].split(":", 1)[1].split(";")[0].strip() if serve and ":" in serve["summary"]
                   else (serve or {}).get("summary", "-"))
+        gaps = [float(re.search(r"gap there: ([0-9.]+)", line).group(1)) for line in (serve or {}).get("differences", [])]
+        served += f"; where they part, transformers' top-2 gap ≤ {max(gaps):.3f}" if gaps else ""
         lines.append(f"| {row['precision']} | {row['model']} | {cut} | {row['weight_bytes'] / 1e6:.0f} MB | "
                      f"{row['perplexity']:.2f} | {row['perplexity'] / originals[row['precision']]['perplexity']:.2f}x | "
                      f"{layers} | {floats} | {served} |")
-    return "\n".join([*lines, "", *_footer([results])])
+    return "\n".join([*lines, "", *_footer(parts)])
+
+
+def _grouped_layers(names: list[str]) -> list[str]:
+    """Layer names with the same module in several blocks as one, ``model.layers.{5,6}.self_attn.linear``."""
+    grouped: dict[str, list[str]] = {}
+    for name in names:
+        found = re.match(r"(.*\.layers\.)(\d+)(\..*)", name)
+        key = f"{found.group(1)}{{}}{found.group(3)}" if found else name
+        grouped.setdefault(key, []).append(found.group(2) if found else "")
+    return [key.replace("{}", "{" + ",".join(blocks) + "}") if "{}" in key else key for key, blocks in grouped.items()]
 
 
 def _perplexity(value: float) -> str:
