@@ -12,7 +12,8 @@ again in the source's scheme. WikiText-2 perplexity on the first ``--ppl-windows
 for each quantized output, how many of its quantized layers are the source's bytes, and with ``--serve``
 whether vLLM's greedy tokens equal transformers' (``scripts/serve-check.sh``: vLLM in bfloat16, since its
 CPU kernel for packed weights takes no float32, against transformers in float32). ``--serve-only`` runs
-that check alone on saved folders.
+that check alone on saved folders; ``--in-memory`` measures the quantized source's ReplaceMe before it is
+written, its edited layers still in float (what quantizing them again costs).
 """
 
 from __future__ import annotations
@@ -91,6 +92,8 @@ def main() -> None:
     parser.add_argument("--serve", action="store_true", help="check vLLM's greedy tokens on each quantized output")
     parser.add_argument("--serve-only", nargs="+", metavar="LABEL=FOLDER",
                         help="only the vLLM check, of saved folders (the source as 'original')")
+    parser.add_argument("--in-memory", action="store_true",
+                        help="only ReplaceMe on the quantized source, measured before writing (edited layers in float)")
     parser.add_argument("--json", default="bench/results/compressed_tensors_input.json")
     args = parser.parse_args()
     started = provenance(["bench/compressed_tensors_input.py", *sys.argv[1:]])
@@ -104,6 +107,14 @@ def main() -> None:
     recipes = {f"replaceme {args.blocks}": blockfold.Recipe.of(blockfold.ReplaceMe(blocks=args.blocks), calibration),
                f"nbl {args.attention_layers}": blockfold.Recipe.of(
                    blockfold.NBL(attention_layers=args.attention_layers), calibration)}
+    if args.in_memory:  # what quantizing the edited layers again costs: the same model, its edits in float
+        compressed = blockfold.compress(str(args.source), recipe=recipes[f"replaceme {args.blocks}"])
+        scores = blockfold.evaluate(compressed, perplexity_text=text, max_windows=args.ppl_windows, baseline="none")
+        rows = [{"precision": "w4a16", "model": f"replaceme {args.blocks}", "edits": "float, in memory",
+                 "perplexity": scores["model"]["perplexity"], "removed_blocks": compressed.manifest["removed_blocks"]}]
+        print(json.dumps(rows[0]), flush=True)
+        write_json(args.json, {"rows": rows, "provenance": started}, indent=1)
+        return
     sources = {"w4a16": args.source, "float32": Path(resolve_model_path(args.float_model))}
     rows = []
     with tempfile.TemporaryDirectory(dir=args.source.parent) as scratch:
