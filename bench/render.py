@@ -596,10 +596,12 @@ def render_quantized_input(results: dict) -> str:
 
 
 def render_compressed_tensors_input(parts: list[dict]) -> str:
-    """Issue #45: a GPTQ W4A16 checkpoint (compressed-tensors) compressed as it is, beside its float model; a
-    second file's vLLM checks (``--serve-only``), where present, replace the first run's."""
-    results, *served = parts
-    checks = {row["model"]: row["vllm"] for part in served for row in part["rows"]}
+    """Issue #45: a GPTQ W4A16 checkpoint (compressed-tensors) compressed as it is, beside its float model; the
+    vLLM checks of a ``--serve-only`` file replace the first run's, and a ``--in-memory`` file adds the row of
+    the quantized ReplaceMe before its edited layers were quantized again."""
+    results, *more = parts
+    checks = {row["model"]: row["vllm"] for part in more for row in part["rows"] if "vllm" in row}
+    in_memory = {row["model"]: row for part in more for row in part["rows"] if "edits" in row}
     quantization = results["source_quantization"]["config_groups"]["group_0"]["weights"]
     lines = [f"{results['float_model']} quantized to {quantization['num_bits']} bits per weight, groups of "
              f"{quantization['group_size']}, {'symmetric' if quantization['symmetric'] else 'with zero points'} "
@@ -624,6 +626,12 @@ def render_compressed_tensors_input(parts: list[dict]) -> str:
         lines.append(f"| {row['precision']} | {row['model']} | {cut} | {row['weight_bytes'] / 1e6:.0f} MB | "
                      f"{row['perplexity']:.2f} | {row['perplexity'] / originals[row['precision']]['perplexity']:.2f}x | "
                      f"{layers} | {floats} | {served} |")
+        unwritten = in_memory.get(row["model"]) if row["precision"] == "w4a16" else None
+        if unwritten is not None:
+            assert unwritten["removed_blocks"] == row["removed_blocks"], "the in-memory run removed other blocks"
+            lines.append(f"| w4a16 | {row['model']}, edited layers in float (in memory, before writing) | {cut} | - | "
+                         f"{unwritten['perplexity']:.2f} | "
+                         f"{unwritten['perplexity'] / originals['w4a16']['perplexity']:.2f}x | - | - | - |")
     return "\n".join([*lines, "", *_footer(parts)])
 
 
