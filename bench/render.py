@@ -1010,6 +1010,8 @@ SECTIONS: dict[str, tuple[str | tuple[str, ...], Callable]] = {
     "scale-out": ("scale_out.json", render_scale_out),
     "serving": (("serving.json", "serving_gemma.json"), render_serving),
     "quantized-input": ("quantized_input.json", render_quantized_input),
+    "compressed-tensors-input": (("compressed_tensors_input.json", "compressed_tensors_serving.json",
+                                  "compressed_tensors_in_memory.json"), render_compressed_tensors_input),
     "new-methods": (("new_methods.json", "new_methods_part2.json", "new_methods_part3.json", "new_methods_gemma_4.json",
                      "new_methods_gemma_4_part2.json", "new_methods_gemma_4_part3.json", "refit_validation_4.json",
                      "new_methods_4.json", "refit_validation_12.json", "refit_validation_12_plain.json", "new_methods_12.json",

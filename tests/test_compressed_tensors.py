@@ -266,3 +266,25 @@ def test_a_packed_model_in_memory_is_refused_with_the_folder_as_the_way_out(w4a1
     packed = AutoModelForCausalLM.from_pretrained(w4a16)
     with pytest.raises(blockfold.BlockfoldError, match="pass its folder"):
         blockfold.compress(packed, tiny_tokenizer(), {"method": "uidl", "settings": {"blocks": 1}})
+
+
+def test_a_float_save_dtype_keeps_the_edited_layers_in_float(w4a16, corpus, tmp_path):
+    """``--save-dtype float32`` (any explicit dtype): the layers compression edited are stored in that dtype and
+    named in ``ignore``, equal to the edited weights; the untouched ones are still the source's bytes."""
+    result = _compress(w4a16, tmp_path / "requantized", corpus, "replaceme", {"blocks": 2, "span_start": 2})
+    out = result.save(tmp_path / "float-edits", save_dtype="float32")
+    saved, source = checkpoint_tensors(out), checkpoint_tensors(w4a16)
+    removed = result.manifest["removed_blocks"]
+    edited = sorted(name for name, module in result.handle.model.named_modules()
+                    if result.handle.store.edits.get(module, {}).get("weight"))
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert sorted(config["ignore"]) == sorted([*edited, "lm_head"])
+    modules = dict(result.handle.model.named_modules())
+    for layer in edited:
+        assert f"{layer}.weight_packed" not in saved
+        torch.testing.assert_close(saved[f"{layer}.weight"].double(), result.handle.saved_value(modules[layer], "weight"),
+                                   rtol=1e-6, atol=1e-7)
+    for name in (name for name in saved if name.endswith("weight_packed")):
+        assert torch.equal(_raw(saved[name]), _raw(source[_source_name(name, removed, 6)])), name
+    if _symmetric(w4a16):  # transformers does not load asymmetric zero points (above)
+        assert len(generate_without_blockfold(out, [[5, 9, 12, 40, 7]], tmp_path)[0]) == 15

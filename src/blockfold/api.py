@@ -434,5 +434,6 @@ def heal(
     store = (loaded.store.holding(trained) if isinstance(loaded.store.reader, CompressedTensorsReader)
              else WeightStore(None))
     healed = ModelHandle(trained, loaded.tokenizer, loaded.device, loaded.dtype, store, loaded.spec, loaded.path)
+    source_dtype = None if store.reader is not None else loaded.source_dtype()  # with no reader, the source's
     return CompressionResult(healed, manifest, recipe,
-                             default_save_dtype=saved_dtype(execution.save_dtype) or loaded.source_dtype())
+                             default_save_dtype=saved_dtype(execution.save_dtype) or source_dtype)

@@ -83,7 +83,7 @@ def _add_execution(p, pipeline: bool = True, save: bool = False) -> None:
                        help="compute in: auto (CPU float32, GPU as saved)|" + "|".join(dtypes[1:]))
     if save:
         group.add_argument("--save-dtype", choices=dtypes, default="auto", metavar="NAME",
-                           help="the saved checkpoint's: auto (the source's)|" + "|".join(dtypes[1:]))
+                           help="auto (the source's types, quantized ones too)|" + "|".join(dtypes[1:]))
     if pipeline:
         group.add_argument("--pipeline", choices=["auto", "whole", "sequential"], default="auto", metavar="NAME",
                            help="auto|whole (resident)|sequential (one layer at a time)")

@@ -128,8 +128,10 @@ def write_checkpoint(handle: ModelHandle, folder: Path, save_dtype: torch.dtype 
     each parameter is read from the source checkpoint (or the owned copy), its recorded edits are
     applied in float64, and it is cast to ``save_dtype`` (default: the source's own dtype). The
     whole model is never in memory; plain transformers loads the result. For a compressed-tensors source,
-    returns how its quantized layers were saved (as stored, quantized again, which in float)."""
+    the layers compression edited are quantized again in its scheme, or, where ``save_dtype`` is given,
+    kept in that dtype; returns how its quantized layers were saved (as stored, quantized again, in float)."""
     model = handle.saved_model
+    requantize = save_dtype is None  # a quantized source's edited layers: its scheme, unless a dtype is asked for
     save_dtype = save_dtype or handle.source_dtype()
     entries = _saved_entries(model)
 
@@ -139,7 +141,7 @@ def write_checkpoint(handle: ModelHandle, folder: Path, save_dtype: torch.dtype 
     # each parameter under the names save_pretrained writes it (a mixture's experts one tensor each)
     # (a meta stand-in, not ``tensor.to("meta")``: bitsandbytes moves a 4-bit weight's state along with it, in place)
     quantized = {name: source for name, module, attr, tensor in entries
-                 if (source := _stored_quantized(handle, module, attr, tuple(tensor.shape))) is not None}
+                 if (source := _stored_quantized(handle, module, attr, tuple(tensor.shape), requantize)) is not None}
     layout = []
     for name, module, attr, tensor in entries:
         placeholder = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
@@ -187,17 +189,19 @@ def write_checkpoint(handle: ModelHandle, folder: Path, save_dtype: torch.dtype 
     return stored_as
 
 
-def _stored_quantized(handle: ModelHandle, module: nn.Module, attr: str, shape: tuple[int, ...]) -> str | None:
+def _stored_quantized(handle: ModelHandle, module: nn.Module, attr: str, shape: tuple[int, ...],
+                      requantize: bool) -> str | None:
     """The checkpoint name of a weight its compressed-tensors source stores quantized, when it is saved
-    quantized (as stored, or quantized again in the source's scheme after an edit); else None: a weight
-    from no checkpoint (a trained or new layer) and one the scheme no longer fits are saved in float."""
+    quantized (as stored, or quantized again in the source's scheme after an edit where ``requantize``);
+    else None: a weight from no checkpoint (a trained or new layer), an edited one without ``requantize``
+    and one the scheme no longer fits are saved in float."""
     reader = handle.store.reader
     if not isinstance(reader, CompressedTensorsReader) or attr != "weight" or attr in handle.store.owned.get(module, {}):
         return None
     source = handle.store.source_name(module, attr)
     if not isinstance(source, str) or not reader.is_quantized(source):
         return None
-    return source if not _edited(handle, module) or reader.requantizable(source, shape) else None
+    return source if not _edited(handle, module) or (requantize and reader.requantizable(source, shape)) else None
 
 
 def _edited(handle: ModelHandle, module: nn.Module) -> bool:
