@@ -161,6 +161,40 @@ def test_gemma3_compress_reload_generate(tmp_path):
     _assert_reloads_and_generates_same(result.model, gemma.tokenizer, result.manifest, tmp_path)
 
 
+@pytest.mark.slow  # one small-calibration compression of the 4-bit model and a reload: about 3 minutes on 2 cores
+def test_gemma3_w4a16_round_trip_keeps_the_untouched_layers_and_beats_plain_removal(tmp_path):
+    """Gemma-3-270m stored as compressed-tensors W4A16 (groups of 64, round to nearest), compressed by the
+    default ReplaceMe at 4 of its 18 blocks layer by layer (sandwich norms: the refit feeds norms here):
+    transformers reloads it 4-bit (the untouched layers the source's bytes), and it beats the plain removal of
+    the same blocks from the same 4-bit model by far."""
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    from blockfold.models.checkpoint import CheckpointReader
+
+    gemma = _gemma()
+    source = quantize_w4a16(gemma.path, tmp_path / "w4a16", group_size=64)
+    config, calibration, windows = _setup(gemma, num_sequences=32, sequence_length=512, windows=4)
+    result = blockfold.compress(str(source), recipe=Recipe(blocks=4, calibration=config), calibration=calibration,
+                                execution=blockfold.Execution(pipeline="sequential"))
+    folder = result.save(tmp_path / "out")
+    removed = result.manifest["removed_blocks"]
+    del result
+    reloaded = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
+                                                    quantization_config=CompressedTensorsConfig(dequantize=True))
+    plain = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32,
+                                                 quantization_config=CompressedTensorsConfig(dequantize=True))
+    remove_blocks(plain, get_adapter(plain), removed)
+    fitted, removal = (perplexity(model, windows)["perplexity"] for model in (reloaded, plain))
+    assert fitted < 0.2 * removal, (fitted, removal)
+    before, after = CheckpointReader(source), CheckpointReader(folder)
+    kept = [index for index in range(18) if index not in removed]
+    same = sum(torch.equal(after.get(name), before.get(name.replace(f".layers.{name.split('.')[2]}.",
+                                                                     f".layers.{kept[int(name.split('.')[2])]}.")))
+               for name in after.names() if name.endswith("weight_packed"))
+    assert len([name for name in after.names() if name.endswith("weight_packed")]) == 14 * 7
+    assert same >= 14 * 7 - 4 * 7, same  # at most the fold's block and the three refitted ones were edited
+
+
 @pytest.mark.slow  # the issue's 64 x 512 calibration: 5-6 minutes on 2 cores
 def test_smollm2_nbl_beats_drop_attention_and_ships_its_modeling_code(smollm2, smollm2_c4, tmp_path):
     """NBL on 4 of 30 attention layers against DROP's dropping of 4, from one calibration pass

@@ -17,6 +17,7 @@ they load the source.
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 import re
@@ -71,8 +72,6 @@ def check_compressed_tensors_source(quantization: dict) -> None:
 
 def without_quantization(config):
     """A copy of ``config`` without its quantization config: the float model the checkpoint stands for."""
-    import copy
-
     plain = copy.deepcopy(config)
     if hasattr(plain, "quantization_config"):
         delattr(plain, "quantization_config")
@@ -149,7 +148,7 @@ class CompressedTensorsReader(CheckpointReader):
     def get(self, name: str) -> torch.Tensor:
         """The tensor ``name``; a quantized weight dequantized by compressed-tensors in the scale's dtype."""
         if name not in self._parts:
-            return super().get(name) if name in self._stored_file else self._missing(name)
+            return super().get(name)
         from compressed_tensors.compressors import BaseCompressor
 
         scheme = self.scheme(name)
@@ -157,9 +156,6 @@ class CompressedTensorsReader(CheckpointReader):
         parts = {part[len(layer) + 1:]: self.stored(part) for part in self._parts[name]}
         compressor = BaseCompressor.get_value_from_registry(scheme.format or self._config.format)
         return compressor.decompress(parts, scheme)["weight"]
-
-    def _missing(self, name: str) -> torch.Tensor:
-        raise BlockfoldError(f"checkpoint {self.folder} has no tensor {name!r}")
 
     # -- writing back ----------------------------------------------------------------------
     def requantizable(self, name: str, shape: tuple[int, ...]) -> bool:
