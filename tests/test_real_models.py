@@ -161,7 +161,7 @@ def test_gemma3_compress_reload_generate(tmp_path):
     _assert_reloads_and_generates_same(result.model, gemma.tokenizer, result.manifest, tmp_path)
 
 
-@pytest.mark.slow  # one small-calibration compression of the 4-bit model and a reload: about 3 minutes on 2 cores
+@pytest.mark.slow  # one compression of the 4-bit model layer by layer and two reloads: 6 minutes on 2 shared cores
 def test_gemma3_w4a16_round_trip_keeps_the_untouched_layers_and_beats_plain_removal(tmp_path):
     """Gemma-3-270m stored as compressed-tensors W4A16 (groups of 64, round to nearest), compressed by the
     default ReplaceMe at 4 of its 18 blocks layer by layer (sandwich norms: the refit feeds norms here):
