@@ -219,7 +219,7 @@ def test_smollm2_nbl_beats_drop_attention_and_ships_its_modeling_code(smollm2, s
     _assert_reloads_and_generates_same(nbl_model, smollm2.tokenizer, manifest, tmp_path, remote_code=True)
 
 
-@pytest.mark.slow  # two compressions sharing one 64 x 512 pass of the 4-bit model: 10.5 minutes on 2 shared cores
+@pytest.mark.slow  # two compressions sharing one 64 x 512 pass of the 4-bit model: 2.2 minutes in CI, 10.5 shared
 def test_smollm2_w4a16_nbl_beats_drop_attention_as_the_quantized_model_is_served(smollm2, smollm2_c4, tmp_path):
     """The NBL paper's setting: a 4-bit weight-only model (SmolLM2 stored as compressed-tensors W4A16, groups of
     64, round to nearest) compressed as it is. NBL on 4 of 30 attention layers beats DROP's dropping of 4,
