@@ -20,7 +20,6 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
-import re
 from pathlib import Path
 
 import torch
@@ -133,10 +132,12 @@ class CompressedTensorsReader(CheckpointReader):
     def scheme(self, name: str):
         """The compressed-tensors scheme the layer of weight ``name`` is quantized by: the config group
         whose targets name it (exactly or by a ``re:`` pattern), else the first one targeting a class."""
+        from compressed_tensors.utils.match import match_name
+
         layer = name.removesuffix(".weight")
         groups = [scheme for scheme in self._config.config_groups.values() if scheme.weights is not None]
         for scheme in groups:
-            if any(_names(target, layer) for target in scheme.targets):
+            if any(match_name(layer, target) for target in scheme.targets):
                 return scheme
         by_class = [scheme for scheme in groups if any(_is_class_target(target) for target in scheme.targets)]
         if not by_class:
@@ -204,35 +205,19 @@ class CompressedTensorsReader(CheckpointReader):
         are stored quantized: every other layer a scheme targets is named in ``ignore``, where the
         source's patterns and class names stay; the source's names of single layers are recomputed (a
         removal renumbers blocks)."""
+        from compressed_tensors.utils.match import is_match
+
         config = json.loads(json.dumps(self.quantization))
         targets = [target for scheme in self._config.config_groups.values() if scheme.weights is not None
                    for target in scheme.targets]
         kept = [entry for entry in config.get("ignore") or [] if entry.startswith("re:") or _is_class_target(entry)]
-        unquantized = []
-        for name, module in model.named_modules():
-            if not name or name in quantized or not isinstance(module, (nn.Linear, nn.Embedding)):
-                continue
-            targeted = any(_names(target, name) or (_is_class_target(target) and _is_class(module, target))
-                           for target in targets)
-            ignored = any(_names(entry, name) or (_is_class_target(entry) and _is_class(module, entry))
-                          for entry in kept)
-            if targeted and not ignored:
-                unquantized.append(name)
+        unquantized = [name for name, module in model.named_modules()
+                       if name and name not in quantized and isinstance(module, (nn.Linear, nn.Embedding))
+                       and is_match(name, module, targets, ignore=kept)]  # the loaders' own matching rule
         config["ignore"] = kept + unquantized
         return config
-
-
-def _names(target: str, layer: str) -> bool:
-    """Whether the compressed-tensors target (an exact name or a ``re:`` pattern) names ``layer``."""
-    if target.startswith("re:"):
-        return re.match(target.removeprefix("re:"), layer) is not None
-    return target == layer
 
 
 def _is_class_target(target: str) -> bool:
     """Whether a target names a module class (``Linear``) rather than a layer."""
     return not target.startswith("re:") and "." not in target and target[:1].isupper()
-
-
-def _is_class(module: nn.Module, target: str) -> bool:
-    return any(cls.__name__ == target for cls in type(module).__mro__)
