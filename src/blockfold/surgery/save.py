@@ -146,8 +146,8 @@ def write_checkpoint(handle: ModelHandle, folder: Path, save_dtype: torch.dtype 
     for name, module, attr, tensor in entries:
         placeholder = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
         if name in quantized:
-            layout += [(stored, shape, dtype) for stored, (shape, dtype) in
-                       _quantized_layout(handle, module, name, quantized[name], placeholder).items()]
+            layout += [(stored, tuple(piece.shape), piece.dtype) for stored, piece in
+                       _quantized_tensors(handle, module, name, quantized[name], placeholder).items()]
         else:
             layout += [(stored, tuple(piece.shape), dtype_of(tensor))
                        for stored, piece in stored_tensors(model, name, placeholder).items()]
@@ -208,26 +208,20 @@ def _edited(handle: ModelHandle, module: nn.Module) -> bool:
     return bool(handle.store.edits.get(module, {}).get("weight"))
 
 
-def _quantized_layout(handle: ModelHandle, module: nn.Module, name: str, source: str,
-                      placeholder: torch.Tensor) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Saved name → (shape, dtype) of the tensors a quantized weight is written as."""
-    reader, layer = handle.store.reader, name.removesuffix("weight")
-    if _edited(handle, module):
-        return {layer + suffix: (tuple(tensor.shape), tensor.dtype)
-                for suffix, tensor in reader.requantize(source, placeholder).items()}
-    prefix = source.removesuffix("weight")
-    return {layer + part.removeprefix(prefix): reader.stored_layout(part) for part in reader.stored_tensors(source)}
-
-
-def _quantized_tensors(handle: ModelHandle, module: nn.Module, name: str, source: str) -> dict[str, torch.Tensor]:
+def _quantized_tensors(handle: ModelHandle, module: nn.Module, name: str, source: str,
+                       placeholder: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Saved name → tensor of a quantized weight: its source's tensors byte for byte, or, where compression
-    edited it, the edited float64 weight quantized again in the source's scheme."""
+    edited it, the edited float64 weight quantized again in the source's scheme. Given the weight's meta
+    ``placeholder``, meta tensors of the same shapes and dtypes (the shard plan), nothing read."""
     reader, layer = handle.store.reader, name.removesuffix("weight")
     if _edited(handle, module):
-        return {layer + suffix: tensor
-                for suffix, tensor in reader.requantize(source, handle.saved_value(module, "weight")).items()}
+        weight = placeholder if placeholder is not None else handle.saved_value(module, "weight")
+        return {layer + suffix: tensor for suffix, tensor in reader.requantize(source, weight).items()}
     prefix = source.removesuffix("weight")
-    return {layer + part.removeprefix(prefix): reader.stored(part) for part in reader.stored_tensors(source)}
+    if placeholder is None:
+        return {layer + part.removeprefix(prefix): reader.stored(part) for part in reader.stored_tensors(source)}
+    return {layer + part.removeprefix(prefix): torch.empty(shape, dtype=dtype, device="meta")
+            for part in reader.stored_tensors(source) for shape, dtype in [reader.stored_layout(part)]}
 
 
 def _quantization_state(handle: ModelHandle, entries) -> dict[str, str]:
