@@ -15,6 +15,7 @@ import tempfile
 from pathlib import Path
 
 from blockfold.errors import BlockfoldError
+from blockfold.models.compressed_tensors import QUANT_METHOD as COMPRESSED_TENSORS
 from blockfold.serving import Agreement, read_prompts, run_engine, transformers_greedy
 
 DEFAULT_PROMPTS = Path(os.environ.get("BLOCKFOLD_DATA", "../shared/data")) / "lambada_test.jsonl"
@@ -39,7 +40,7 @@ def agreement(model: str, engine: str, quant: str = "f16", prompts: Path = DEFAU
     config = json.loads((folder / "config.json").read_text())
     remote = config.get("model_type", "").startswith("blockfold_")
     if dtype == "auto":
-        packed = (config.get("quantization_config") or {}).get("quant_method") == "compressed-tensors"
+        packed = (config.get("quantization_config") or {}).get("quant_method") == COMPRESSED_TENSORS
         dtype = "bfloat16" if packed and engine == "vllm" else "float32"
     reference_model = AutoModelForCausalLM.from_pretrained(folder, dtype="float32", trust_remote_code=remote).eval()
     reference, gaps = transformers_greedy(reference_model, ids, new_tokens)

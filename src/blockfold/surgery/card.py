@@ -13,6 +13,8 @@ from pathlib import Path
 
 import yaml
 
+from blockfold.models.compressed_tensors import QUANT_METHOD as COMPRESSED_TENSORS
+
 log = logging.getLogger(__name__)
 
 CARD_NAME = "README.md"
@@ -221,7 +223,7 @@ def model_card(manifest: dict, folder: Path, name: str, license_name: str | None
                   "compression left alone is its source's, byte for byte; the layers it changed are stored unquantized "
                   f"and listed in `llm_int8_skip_modules` ({', '.join(quantization.get('llm_int8_skip_modules') or [])}). "
                   "GGUF export reads float checkpoints: compress the float model (or its GGUF file) for llama.cpp.", ""]
-    elif quantization.get("quant_method") == "compressed-tensors":
+    elif quantization.get("quant_method") == COMPRESSED_TENSORS:
         floats = ", ".join(f"`{name}`" for name in quantization.get("ignore") or []) or "none"
         lines += ["## Quantization", "",
                   "Quantized as its source was (compressed-tensors, as llm-compressor writes it): transformers loads it "
