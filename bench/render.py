@@ -1023,7 +1023,7 @@ SECTIONS: dict[str, tuple[str | tuple[str, ...], Callable]] = {
                      "refit_stage_12.json", "refit_stage_4b.json", "new_methods_accuracy.json",
                      "new_methods_accuracy_part2.json", "refit_stage_accuracy_8.json", "new_methods_gemma_4.json",
                      "new_methods_accuracy_gemma_4_part2.json", "refit_stage_gemma_4.json", "new_methods_gemma_4_part2.json",
-                     "refit_stage_gemma_4b.json"),
+                     "refit_stage_gemma_4b.json", "refit_stage_gemma_4c.json"),
                     render_refit_stage),
     "width": (("new_methods.json", "refit_stage_8.json", "refit_stage_8b.json", "refit_stage_8c.json", "svd_llm_8.json",
                "slicegpt_per_block_8.json", "slicegpt_shared_8.json"), render_width),
