@@ -56,6 +56,8 @@ def main() -> None:
     parser.add_argument("--num-seqs", type=int, default=64, help="calibration sequences (the recipe: 64)")
     parser.add_argument("--seq-len", type=int, default=512, help="tokens per calibration sequence (the recipe: 512)")
     parser.add_argument("--no-timing", action="store_true", help="count block forwards only, no plain forward timed")
+    parser.add_argument("--chunk-sequences", default="auto",
+                        help="sequences per forward of the compress, comma-separated to compare (auto: blockfold's choice)")
     parser.add_argument("--json", required=True)
     args = parser.parse_args()
     specs = [name for spec in args.methods.split(",") for name in (SETTINGS if spec == "all" else [spec])]
@@ -68,7 +70,8 @@ def main() -> None:
     plain_forward_seconds(loaded.model, list(calibration)[:1])  # warm-up
     results = {"provenance": provenance(["bench/one_pass.py", *sys.argv[1:]]), "model": args.model,
                "blocks": args.blocks, "calibration": calibration.description, "rows": []}
-    for spec in specs:
+    chunks = [None if size == "auto" else int(size) for size in args.chunk_sequences.split(",")]
+    for spec, chunk in ((spec, chunk) for spec in specs for chunk in chunks):
         method, settings = parse_method(spec)
         budget = {"attention_layers": args.blocks} if "attention_layers" in SETTINGS[method].model_fields else \
             {"blocks": args.blocks}
@@ -78,10 +81,11 @@ def main() -> None:
         model = copy.deepcopy(loaded.model)
         counted = count_block_tokens(model)
         started = time.perf_counter()
-        result = blockfold.compress(model, loaded.tokenizer, recipe, calibration=calibration)
+        result = blockfold.compress(model, loaded.tokenizer, recipe, calibration=calibration,
+                                    execution=Execution(chunk_sequences=chunk))
         seconds = time.perf_counter() - started
         after = None if args.no_timing else plain_forward_seconds(loaded.model, calibration)
-        row = {"method": spec, "removed_blocks": result.manifest["removed_blocks"], "compress_seconds": seconds,
+        row = {"method": spec, "chunk_sequences": chunk, "removed_blocks": result.manifest["removed_blocks"], "compress_seconds": seconds,
                "plain_forward_seconds": None if args.no_timing else [before, after],
                "compress_in_plain_forwards": None if args.no_timing else seconds / ((before + after) / 2),
                "block_forwards": counted[0] / (tokens * num_layers), "planned_block_forwards": planned,
@@ -89,7 +93,7 @@ def main() -> None:
                "refit_original_streams": (result.manifest.get("refit") or {}).get("original_streams"),
                "weights": {name: float(value.double().abs().sum()) for name, value in model.state_dict().items()}}
         results["rows"].append(row)
-        print({key: row[key] for key in ("method", "removed_blocks", "compress_in_plain_forwards", "block_forwards",
+        print({key: row[key] for key in ("method", "chunk_sequences", "removed_blocks", "compress_in_plain_forwards", "block_forwards",
                                          "passes")}, flush=True)
         write_json(args.json, results)
 
