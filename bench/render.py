@@ -794,10 +794,14 @@ def render_one_pass(parts: list[dict]) -> str:
     time, each run against its own), per code version, and how far the versions' weights differ."""
     lines = ["| commit | method | removed blocks | block forwards | passes | compress time / one plain forward "
              "| the refit's original streams |", "|---|---|---|---|---|---|---|"]
+    def label(row: dict) -> str:
+        chunk = row.get("chunk_sequences")
+        return row["method"] + (f" ({chunk} sequences per forward)" if chunk else "")
+
     for results in parts:
         commit = results["provenance"]["commit"].split("+")[0][:7]
         for row in results["rows"]:
-            lines.append(f"| `{commit}` | {row['method']} | {_span(row['removed_blocks'])} | {row['block_forwards']:.2f} "
+            lines.append(f"| `{commit}` | {label(row)} | {_span(row['removed_blocks'])} | {row['block_forwards']:.2f} "
                          f"| {row['passes']} | {row['compress_in_plain_forwards']:.2f} "
                          f"| {row['refit_original_streams'] or '-'} |")
     first = {row["method"]: row for row in parts[0]["rows"]}
@@ -808,7 +812,7 @@ def render_one_pass(parts: list[dict]) -> str:
                 continue
             worst = max(abs(value - reference["weights"][name]) / max(reference["weights"][name], 1e-30)
                         for name, value in row["weights"].items())
-            lines.append(f"\n{row['method']} at `{results['provenance']['commit'][:7]}` against "
+            lines.append(f"\n{label(row)} at `{results['provenance']['commit'][:7]}` against "
                          f"`{parts[0]['provenance']['commit'][:7]}`: every tensor's Σ|w| within {worst:.1e} (relative).")
     return "\n".join([*lines, "", *_footer(parts)])
 
@@ -1027,7 +1031,8 @@ SECTIONS: dict[str, tuple[str | tuple[str, ...], Callable]] = {
                     render_refit_stage),
     "width": (("new_methods.json", "refit_stage_8.json", "refit_stage_8b.json", "refit_stage_8c.json", "svd_llm_8.json",
                "slicegpt_per_block_8.json", "slicegpt_shared_8.json"), render_width),
-    "one-pass": (("one_pass_before.json", "one_pass_after.json", "one_pass_after2.json"), render_one_pass),
+    "one-pass": (("one_pass_before.json", "one_pass_after.json", "one_pass_after2.json", "one_pass_chunks.json"),
+                 render_one_pass),
     "block-forwards": (("block_forwards_before.json", "block_forwards_before_part2.json", "block_forwards_after.json"),
                        render_block_forwards),
     "span-count": (("spans_auto_in_sample_12.json", "spans_auto_12.json", "spans_auto_8.json", "spans_auto_4.json",
