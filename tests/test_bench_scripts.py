@@ -123,3 +123,18 @@ def test_new_methods_bench_keeps_the_original_before_any_row(tmp_path):
     new_methods.write_json(str(scores), results)
     assert new_methods.earlier_original([str(path), str(scores)], "gemma3-270m", ["piqa"], 500, "float32",
                                         ["C4 (held out)"]) == {"accuracy": accuracy, "perplexity": perplexity}
+
+def test_qwen_quality_builds_a_sweep_blockfold_parses(tmp_path):
+    """The 1.5B table's commands parse as blockfold sweeps (both calibrations), and the code text holds the
+    package's sources in file-name order."""
+    from blockfold.cli import build_parser
+
+    qwen = _bench_module("qwen_quality")
+    code = qwen.code_text("jinja2", tmp_path / "texts" / "code.txt")
+    text = code.read_text(encoding="utf-8")
+    assert text.index("# jinja2/__init__.py") < text.index("# jinja2/utils.py")
+    for calibration in ("default", "instruct"):
+        args = build_parser().parse_args(qwen.command(calibration, str(tmp_path / "out"), code, 5))
+        assert args.model == "qwen2.5-coder-1.5b" and args.budgets == "4,7,10"
+        assert str(code) in args.held_out
+        assert (args.calib is None) == (calibration == "default")
