@@ -124,6 +124,7 @@ def test_new_methods_bench_keeps_the_original_before_any_row(tmp_path):
     assert new_methods.earlier_original([str(path), str(scores)], "gemma3-270m", ["piqa"], 500, "float32",
                                         ["C4 (held out)"]) == {"accuracy": accuracy, "perplexity": perplexity}
 
+
 def test_qwen_quality_builds_a_sweep_blockfold_parses(tmp_path):
     """The 1.5B table's commands parse as blockfold sweeps (both calibrations), and the code text holds the
     package's sources in file-name order."""
