@@ -116,6 +116,18 @@ def parse_method(spec: str) -> tuple[str, dict]:
     return method, settings
 
 
+def earlier_run(path: str, started: dict) -> dict | None:
+    """What an earlier run of the same command at the same commit wrote to ``path`` (the original's figures and
+    its finished rows), so a run stopped part way (a session's end, a restart) continues where it stopped;
+    None where there is no such file. Another command's or another commit's file is replaced, as before."""
+    try:
+        earlier = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return None
+    same = all(earlier.get("provenance", {}).get(key) == started[key] for key in ("command", "commit"))
+    return earlier if same and not started["commit"].endswith("+dirty") and "original" in earlier else None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
@@ -151,6 +163,11 @@ def main() -> None:
 
     results = {"provenance": provenance(["bench/new_methods.py", *sys.argv[1:]]), "model": args.model,
                "blocks": args.blocks, "rows": []}
+    resumed = earlier_run(args.json, results["provenance"])
+    if resumed is not None:
+        print(f"resuming {args.json}: {len(resumed['rows'])} rows done", flush=True)
+        resumed.setdefault("resumed", []).append(results["provenance"]["date"])
+        results = resumed
     loaded = blockfold.load_model(args.model, device=args.device)
     calibration = build_calibration(CalibrationConfig(source=str(DATA / "c4_demo.jsonl"),
                                                       max_documents=CALIBRATION_DOCUMENTS,
@@ -164,23 +181,25 @@ def main() -> None:
     texts = evaluation_texts(loaded.tokenizer, args.windows)
     earlier = (earlier_original(args.original_from.split(","), args.model, tasks, args.limit, dtype_name,
                                 [] if args.no_perplexity else list(texts)) if args.original_from else {})
-    handle = as_handle(copy.deepcopy(loaded.model), loaded.tokenizer, None)
-    started = time.perf_counter()
-    Runner(handle).run(calibration, [SpanStatistics(handle.num_layers(), max_length=1)], "reference pass")
-    pass_seconds = time.perf_counter() - started
-    results["pass_seconds"] = pass_seconds
-    results["original"] = {"parameters": count_parameters(loaded.model)}
-    if earlier:
-        results["original"] |= earlier
-        results["original_from"] = args.original_from
-    if not args.no_perplexity and "perplexity" not in earlier:
-        results["original"]["perplexity"] = measure(loaded.model, texts, "original")
-    if tasks:
-        results["tasks"], results["limit"], results["eval_dtype"] = tasks, args.limit, dtype_name
-        if "accuracy" not in earlier:
-            results["original"]["accuracy"] = accuracy(loaded.model, loaded.tokenizer, tasks, args.limit, dtype)
-    write_json(args.json, results)  # now and after every row: a run stopped part way keeps the original
-    for spec in args.methods.split(","):
+    if resumed is None:
+        handle = as_handle(copy.deepcopy(loaded.model), loaded.tokenizer, None)
+        started = time.perf_counter()
+        Runner(handle).run(calibration, [SpanStatistics(handle.num_layers(), max_length=1)], "reference pass")
+        results["pass_seconds"] = time.perf_counter() - started
+        results["original"] = {"parameters": count_parameters(loaded.model)}
+        if earlier:
+            results["original"] |= earlier
+            results["original_from"] = args.original_from
+        if not args.no_perplexity and "perplexity" not in earlier:
+            results["original"]["perplexity"] = measure(loaded.model, texts, "original")
+        if tasks:
+            results["tasks"], results["limit"], results["eval_dtype"] = tasks, args.limit, dtype_name
+            if "accuracy" not in earlier:
+                results["original"]["accuracy"] = accuracy(loaded.model, loaded.tokenizer, tasks, args.limit, dtype)
+        write_json(args.json, results)  # now and after every row: a run stopped part way keeps the original
+    pass_seconds = results["pass_seconds"]
+    done = {row["method"] for row in results["rows"]}
+    for spec in (spec for spec in args.methods.split(",") if spec not in done):
         method, settings = parse_method(spec)
         model = copy.deepcopy(loaded.model)
         counted = count_block_tokens(model)

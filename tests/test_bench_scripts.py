@@ -139,3 +139,21 @@ def test_qwen_quality_builds_a_sweep_blockfold_parses(tmp_path):
         assert args.model == "qwen2.5-coder-1.5b" and args.budgets == "4,7,10"
         assert str(code) in args.held_out
         assert (args.calib is None) == (calibration == "default")
+
+
+def test_new_methods_bench_resumes_only_its_own_command_at_its_own_commit(tmp_path):
+    """A bench/new_methods.py run stopped part way continues from its file when the same command runs again at
+    the same clean commit; another command's, another commit's or a dirty tree's file is not resumed."""
+    new_methods = _bench_module("new_methods")
+    started = {"command": "bench/new_methods.py --blocks 12", "commit": "abc123", "date": "later"}
+    path = tmp_path / "rows.json"
+    assert new_methods.earlier_run(str(path), started) is None  # nothing there yet
+    written = {"provenance": started | {"date": "earlier"}, "original": {"parameters": 1}, "rows": [{"method": "uidl"}]}
+    new_methods.write_json(str(path), written)
+    assert new_methods.earlier_run(str(path), started)["rows"] == [{"method": "uidl"}]
+    assert new_methods.earlier_run(str(path), started | {"commit": "def456"}) is None
+    assert new_methods.earlier_run(str(path), started | {"command": "bench/new_methods.py --blocks 8"}) is None
+    new_methods.write_json(str(path), written | {"provenance": started | {"commit": "abc123+dirty"}})
+    assert new_methods.earlier_run(str(path), started | {"commit": "abc123+dirty"}) is None
+    new_methods.write_json(str(path), {"provenance": started, "rows": []})  # stopped before the original was measured
+    assert new_methods.earlier_run(str(path), started) is None
