@@ -14,6 +14,9 @@ calibration set through every block of the original (machine-independent), and t
 Each method is ``blockfold.compress`` with its defaults (``method:key=value`` changes one setting,
 e.g. ``prune-comp:compensate=false`` for the paper's ablation) on the issue-2 recipe: c4_demo
 documents 0-127, 64 x 512 tokens.
+
+The same command started again at the same clean commit continues the file its first run left (the
+original's figures and the finished rows kept, the other rows run), so a session's end costs at most one row.
 """
 
 from __future__ import annotations
