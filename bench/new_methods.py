@@ -122,13 +122,16 @@ def parse_method(spec: str) -> tuple[str, dict]:
 def earlier_run(path: str, started: dict) -> dict | None:
     """What an earlier run of the same command at the same commit wrote to ``path`` (the original's figures and
     its finished rows), so a run stopped part way (a session's end, a restart) continues where it stopped;
-    None where there is no such file. Another command's or another commit's file is replaced, as before."""
+    None where there is no such file, and where this run's code is not a clean commit (a dirty tree, a wheel).
+    Another command's or another commit's file is replaced, as before."""
+    if not started["commit"] or started["commit"].endswith("+dirty"):
+        return None
     try:
         earlier = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError):
         return None
     same = all(earlier.get("provenance", {}).get(key) == started[key] for key in ("command", "commit"))
-    return earlier if same and not started["commit"].endswith("+dirty") and "original" in earlier else None
+    return earlier if same and "original" in earlier else None
 
 
 def main() -> None:

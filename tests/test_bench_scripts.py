@@ -155,5 +155,7 @@ def test_new_methods_bench_resumes_only_its_own_command_at_its_own_commit(tmp_pa
     assert new_methods.earlier_run(str(path), started | {"command": "bench/new_methods.py --blocks 8"}) is None
     new_methods.write_json(str(path), written | {"provenance": started | {"commit": "abc123+dirty"}})
     assert new_methods.earlier_run(str(path), started | {"commit": "abc123+dirty"}) is None
+    new_methods.write_json(str(path), written | {"provenance": started | {"commit": None}})
+    assert new_methods.earlier_run(str(path), started | {"commit": None}) is None  # installed from a wheel
     new_methods.write_json(str(path), {"provenance": started, "rows": []})  # stopped before the original was measured
     assert new_methods.earlier_run(str(path), started) is None
