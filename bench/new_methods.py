@@ -185,9 +185,9 @@ def main() -> None:
     results["calibration"] = calibration.description
     results["num_layers"] = loaded.model.config.num_hidden_layers
     texts = evaluation_texts(loaded.tokenizer, args.windows)
-    earlier = (earlier_original(args.original_from.split(","), args.model, tasks, args.limit, dtype_name,
-                                [] if args.no_perplexity else list(texts)) if args.original_from else {})
-    if resumed is None:
+    if resumed is None:  # the original's figures: measured, or taken from --original-from
+        earlier = (earlier_original(args.original_from.split(","), args.model, tasks, args.limit, dtype_name,
+                                    [] if args.no_perplexity else list(texts)) if args.original_from else {})
         handle = as_handle(copy.deepcopy(loaded.model), loaded.tokenizer, None)
         started = time.perf_counter()
         Runner(handle).run(calibration, [SpanStatistics(handle.num_layers(), max_length=1)], "reference pass")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import itertools
 import sys
 import time
 from pathlib import Path
@@ -71,7 +72,7 @@ def main() -> None:
     results = {"provenance": provenance(["bench/one_pass.py", *sys.argv[1:]]), "model": args.model,
                "blocks": args.blocks, "calibration": calibration.description, "rows": []}
     chunks = [None if size == "auto" else int(size) for size in args.chunk_sequences.split(",")]
-    for spec, chunk in ((spec, chunk) for spec in specs for chunk in chunks):
+    for spec, chunk in itertools.product(specs, chunks):
         method, settings = parse_method(spec)
         budget = {"attention_layers": args.blocks} if "attention_layers" in SETTINGS[method].model_fields else \
             {"blocks": args.blocks}
